@@ -1,0 +1,60 @@
+"""Llama-family models: Llama (incl. llama3 RoPE scaling), Mistral, Qwen2.
+
+Their checkpoints already use zoo's parameter names, so this plugin only
+describes the architecture.
+"""
+
+from __future__ import annotations
+
+from zoo import ModelDescription, ZooError, hookimpl
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    # transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ZooError(f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+    return float(theta), scaling
+
+
+def describe(hf: dict) -> ModelDescription:
+    theta, scaling = _rope(hf)
+    architecture = hf["architectures"][0]
+    heads = hf["num_attention_heads"]
+    qwen2 = architecture == "Qwen2ForCausalLM"
+    sliding = hf.get("sliding_window")
+    if qwen2 and not hf.get("use_sliding_window", False):
+        sliding = None
+    return ModelDescription(
+        architecture=architecture,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        intermediate_size=hf["intermediate_size"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position=hf.get("max_position_embeddings", 2048),
+        norm="rms",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        activation={"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}[hf.get("hidden_act", "silu")],
+        gated_mlp=True,
+        position="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=qwen2 or bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)) and not qwen2,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=sliding,
+        bos_token_id=hf.get("bos_token_id"),
+    )
+
+
+@hookimpl
+def zoo_model_architectures():
+    return {name: describe for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")}

@@ -1,0 +1,120 @@
+"""Paged KV-cache blocks: allocation, reference counts and prefix caching.
+
+A full block whose tokens (and all tokens before it) are known is hashed by
+chaining its tokens onto its parent's hash; a later request whose prompt
+starts with the same tokens reuses it. Freed blocks keep their hash until the
+block is handed out again, oldest first, so recent prefixes survive longest.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from zoo.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: dict[int, int] = {}
+        self.block_tokens: dict[int, tuple[int, ...]] = {}
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def blocks_needed(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def _chain_hash(self, parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        old = self.block_hash.pop(block, None)
+        if old is not None and self.hash_to_block.get(old) == block:
+            del self.hash_to_block[old]
+        self.block_tokens.pop(block, None)
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
+
+    def allocate_cached_prefix(self, request: Request) -> None:
+        """Give a new request the cached blocks of its longest cached prefix.
+
+        The last prompt token is always recomputed, so that the step that
+        finishes the prompt has logits to sample from.
+        """
+        assert not request.block_ids
+        if not self.enable_prefix_caching:
+            return
+        tokens = request.token_ids
+        parent = None
+        for i in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = self._chain_hash(parent, chunk)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens.get(block) != chunk:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            request.block_ids.append(block)
+            parent = h
+        request.num_hashed_blocks = len(request.block_ids)
+        request.num_computed_tokens = len(request.block_ids) * self.block_size
+        request.num_cached_prompt_tokens = request.num_computed_tokens
+        self.prefix_hit_tokens += request.num_computed_tokens
+
+    def ensure_slots(self, request: Request, num_slots: int) -> bool:
+        """Make room for ``num_slots`` cache entries; all or nothing."""
+        missing = self.blocks_needed(num_slots) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        if missing > len(self.free_blocks):
+            return False
+        request.block_ids.extend(self._take_free_block() for _ in range(missing))
+        return True
+
+    def trim(self, request: Request, num_slots: int) -> None:
+        """Give back blocks past ``num_slots`` entries (after rejected drafts)."""
+        keep = self.blocks_needed(num_slots)
+        while len(request.block_ids) > keep:
+            self._release(request.block_ids.pop())
+
+    def free(self, request: Request) -> None:
+        # Tail blocks first, so that eviction takes a prefix's end before its start.
+        for block in reversed(request.block_ids):
+            self._release(block)
+        request.block_ids = []
+        request.num_hashed_blocks = 0
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Hash the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        tokens = request.token_ids
+        full = min(request.num_computed_tokens, len(tokens)) // self.block_size
+        for i in range(request.num_hashed_blocks, full):
+            block = request.block_ids[i]
+            parent = self.block_hash.get(request.block_ids[i - 1]) if i else None
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = self._chain_hash(parent, chunk)
+            self.block_hash[block] = h
+            self.block_tokens[block] = chunk
+            self.hash_to_block.setdefault(h, block)
+        request.num_hashed_blocks = max(request.num_hashed_blocks, full)

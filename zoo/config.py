@@ -1,0 +1,39 @@
+"""Composing the run config from ``conf/`` (the CLI and ``zoo.LLM`` share this)."""
+
+from __future__ import annotations
+
+from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from zoo.errors import ZooError
+from zoo.plugins import load_plugins
+
+CONFIG_MODULE = "zoo_conf"
+_registered = False
+
+
+def register_plugin_configs() -> None:
+    """Let every plugin add options to config groups (once per process)."""
+    global _registered
+    if not _registered:
+        load_plugins().hook.zoo_config_register(config_store=ConfigStore.instance())
+        _registered = True
+
+
+def compose_config(overrides: list[str] = ()) -> DictConfig:
+    register_plugin_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+            return compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ZooError(f"bad config override: {exc}") from None
+
+
+def to_plain(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)

@@ -1,0 +1,130 @@
+"""The Python API: ``zoo.LLM``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from zoo.config import compose_config, to_plain
+from zoo.engine import Engine
+from zoo.request import Request
+from zoo.sampling_params import SamplingParams
+
+_REQUEST_KEYS = {"prompt", "prompt_ids", "id", "sampling"}
+
+
+@dataclass
+class RequestOutput:
+    id: Any
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+    logprobs: list[dict] | None = None
+
+    def to_json(self) -> dict:
+        record = {"id": self.id, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
+                  "text": self.text, "finish_reason": self.finish_reason}
+        if self.error is not None:
+            record["error"] = self.error
+        if self.logprobs is not None:
+            record["logprobs"] = self.logprobs
+        return record
+
+
+@dataclass
+class TokenEvent:
+    """One step's new tokens for one request, as yielded by :meth:`LLM.stream`."""
+
+    index: int  # position of the request in the input list
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    output: RequestOutput | None = field(default=None, repr=False)  # set when finished
+
+
+class LLM:
+    """Generate with zoo from Python.
+
+    ``LLM()`` runs the embedded random-init Llama; ``LLM("path/or/org-name")`` a
+    checkpoint. ``model`` picks the config option of ``conf/model``; keyword
+    arguments set ``runtime.*`` keys; ``overrides`` are Hydra overrides as on
+    the command line; ``plugins`` are extra plugin objects to register.
+    """
+
+    def __init__(self, path: str | None = None, *, model: str = "llama", overrides: list[str] = (),
+                 plugins: list = (), config=None, **runtime):
+        if config is None:
+            items = [f"model={model}"]
+            if path is not None:
+                items.append(f"model.path={path}")
+            items += [f"runtime.{k}={'null' if v is None else v}" for k, v in runtime.items()]
+            config = compose_config(items + list(overrides))
+        self.config = config
+        self.engine = Engine(config, extra_plugins=plugins)
+        self.tokenizer = self.engine.tokenizer
+        self.default_params = SamplingParams.from_dict(to_plain(config.get("sampling") or {}))
+
+    def _submit(self, prompts, sampling_params) -> list[Request]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        per_request = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        requests = []
+        for index, (item, params) in enumerate(zip(prompts, per_request)):
+            requests.append(self._add(item, params, index))
+        return requests
+
+    def _add(self, item, params, index) -> Request:
+        base = params if isinstance(params, SamplingParams) else self.default_params
+        overrides = params if isinstance(params, dict) else {}
+        if isinstance(item, dict):
+            overrides = {**overrides, **(item.get("sampling") or {}),
+                         **{k: v for k, v in item.items() if k in SamplingParams.__dataclass_fields__}}
+            extras = {k: v for k, v in item.items()
+                      if k not in _REQUEST_KEYS and k not in SamplingParams.__dataclass_fields__}
+            prompt, prompt_ids, rid = item.get("prompt"), item.get("prompt_ids"), item.get("id", index)
+        else:
+            extras, rid = {}, index
+            prompt, prompt_ids = (item, None) if isinstance(item, str) else (None, item)
+        try:
+            request_params = base.merged(overrides)
+        except Exception as exc:  # an invalid override rejects this request only
+            request = self.engine.add_request(prompt_token_ids=[], params=base)
+            request.finish("error", str(exc))
+        else:
+            request = self.engine.add_request(prompt, prompt_ids, request_params, extras)
+        request.extras.setdefault("id", rid)
+        return request
+
+    def output_of(self, request: Request) -> RequestOutput:
+        text = request.output_text or (self.tokenizer.decode(request.output_token_ids) if request.output_token_ids else "")
+        return RequestOutput(
+            id=request.extras.get("id", request.request_id),
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            finish_reason=request.finish_reason or "length",
+            error=request.error,
+            logprobs=request.output_logprobs if request.params.logprobs is not None and not request.error else None,
+        )
+
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """Run ``prompts`` (text, token-id lists or request dicts) to completion; outputs in input order."""
+        requests = self._submit(prompts, sampling_params)
+        self.engine.run_until_done()
+        return [self.output_of(r) for r in requests]
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[TokenEvent]:
+        """Yield new tokens as each step produces them."""
+        requests = self._submit(prompts, sampling_params)
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        for i, r in enumerate(requests):
+            if r.is_finished:  # rejected up front
+                yield TokenEvent(i, [], True, r.finish_reason, self.output_of(r))
+        while self.engine.has_work():
+            for request, tokens in self.engine.step():
+                done = request.is_finished
+                yield TokenEvent(index[request.request_id], tokens, done, request.finish_reason,
+                                 self.output_of(request) if done else None)

@@ -1,0 +1,206 @@
+"""Opening checkpoints: HF folders, hub ids, and the embedded random-init default."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zoo.description import ModelDescription
+from zoo.errors import ZooError
+from zoo.model import DecoderModel
+from zoo.tokenizer import ByteTokenizer, load_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    description: ModelDescription
+    tokenizer: object
+    eos_token_ids: list[int]
+    source: str  # what to tell the user about where the weights came from
+
+
+def resolve_checkpoint(path: str) -> Path:
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise ZooError(f"model.path={path} is a file; give the checkpoint folder that holds config.json")
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ZooError(f"checkpoint folder {path} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    except Exception as exc:  # noqa: BLE001 - hub errors come in many classes
+        raise ZooError(f"cannot get checkpoint {path!r}: it is not a local folder and the hub lookup failed "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+                       "With HF_HUB_OFFLINE=1 only the local hub cache is used.") from None
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ZooError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ZooError(f"{what} {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ZooError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def architecture_registry(hooks) -> dict:
+    registry: dict = {}
+    for contribution in hooks.zoo_model_architectures():
+        for name, describe in (contribution or {}).items():
+            if name in registry:
+                raise ZooError(f"two plugins register architecture {name!r}")
+            registry[name] = describe
+    return registry
+
+
+def describe_model(hf_config: dict, hooks, where: str) -> ModelDescription:
+    registry = architecture_registry(hooks)
+    names = hf_config.get("architectures") or []
+    for name in names:
+        if name in registry:
+            try:
+                return registry[name](hf_config)
+            except ZooError:
+                raise
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ZooError(f"{where}: cannot build {name} from its config: {type(exc).__name__}: {exc}") from None
+    raise ZooError(f"{where}: unknown architecture {names or '(none given)'}; "
+                   f"installed plugins support: {', '.join(sorted(registry)) or 'nothing'}")
+
+
+def build_empty_model(description: ModelDescription, hooks, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    with torch.device("meta"):
+        model = DecoderModel(description, hooks)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    _reset_computed_buffers(model, device)
+    return model
+
+
+def _reset_computed_buffers(model: DecoderModel, device: torch.device) -> None:
+    # Buffers derived from the description (rotary frequencies) are not in checkpoints.
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers(device)
+    if model.description.tied_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    if not sys.stderr.isatty() and done not in (0, total):
+        return
+    width = 30
+    filled = width * done // max(total, 1)
+    end = "\n" if done == total else "\r"
+    print(f"{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index, "weight index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ZooError(f"weight index {index} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise ZooError(f"weight index {index} names {f.name}, which is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ZooError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def load_weights(model: DecoderModel, folder: Path, hooks) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    files = _safetensors_files(folder)
+    _progress(0, len(files), "loading weights")
+    for done, file in enumerate(files, 1):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:  # memory-mapped
+                for name in reader.keys():
+                    tensor = reader.get_tensor(name)
+                    converted = hooks.zoo_weights_convert(description=model.description, name=name, tensor=tensor)
+                    for zoo_name, value in converted if converted is not None else [(name, tensor)]:
+                        param = params.get(zoo_name)
+                        if param is None:
+                            unexpected.append(name)
+                            continue
+                        if tuple(param.shape) != tuple(value.shape):
+                            raise ZooError(f"{file.name}: tensor {name} has shape {tuple(value.shape)}, "
+                                           f"the model expects {tuple(param.shape)} for {zoo_name}")
+                        with torch.no_grad():
+                            param.copy_(value)  # converts to the model's dtype and device
+                        loaded.add(zoo_name)
+        except (SafetensorError, OSError) as exc:
+            raise ZooError(f"checkpoint file {file} is corrupt or unreadable: {exc}") from None
+        _progress(done, len(files), "loading weights")
+    if model.description.tied_embeddings:
+        if "lm_head.weight" in loaded:
+            loaded.add("model.embed_tokens.weight")
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ZooError(f"checkpoint {folder} is missing weights: {shown}")
+    if unexpected:
+        print(f"note: ignored {len(unexpected)} checkpoint tensors zoo does not use "
+              f"(e.g. {unexpected[0]})", file=sys.stderr)
+
+
+def _eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
+    eos = None
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        eos = read_json(generation, "generation config").get("eos_token_id")
+    if eos is None:
+        eos = hf_config.get("eos_token_id")
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def load_checkpoint(path: str, hooks, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    folder = resolve_checkpoint(path)
+    hf_config = read_json(folder / "config.json", "model config")
+    description = describe_model(hf_config, hooks, str(folder / "config.json"))
+    tokenizer = load_tokenizer(folder)
+    description.eos_token_ids = _eos_ids(folder, hf_config, tokenizer)
+    model = build_empty_model(description, hooks, dtype, device)
+    load_weights(model, folder, hooks)
+    return LoadedModel(model.eval(), description, tokenizer, description.eos_token_ids, f"checkpoint {folder}")
+
+
+def build_embedded(embedded: dict, hooks, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A tiny random-init model from a fixed seed, with the byte tokenizer."""
+    tokenizer = ByteTokenizer()
+    hf_config = {k: v for k, v in embedded.items() if k != "seed"}
+    hf_config["vocab_size"] = tokenizer.vocab_size
+    description = describe_model(hf_config, hooks, "embedded model config")
+    description.eos_token_ids = [tokenizer.eos_token_id]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(embedded.get("seed", 0)))
+        model = DecoderModel(description, hooks)
+    model = model.to(device=device, dtype=dtype)
+    _reset_computed_buffers(model, device)
+    source = (f"embedded default {hf_config['architectures'][0]} (RANDOM-INIT weights, seed "
+              f"{embedded.get('seed', 0)}: the text is noise; set model.path to load a checkpoint)")
+    return LoadedModel(model.eval(), description, tokenizer, description.eos_token_ids, source)

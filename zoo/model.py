@@ -1,0 +1,222 @@
+"""The one generic decoder-only transformer.
+
+Parameter names follow the Llama layout of HF checkpoints
+(``model.layers.N.self_attn.q_proj.weight``...), so architecture plugins only
+map names that differ. Attention reads and writes the paged KV cache through
+the step's :class:`AttentionMetadata`; the model itself keeps no per-request
+state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.description import ModelDescription
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each may see.
+
+    Tokens are ragged (no padding). Attention pads them per sequence to
+    ``[num_seqs, max_query_len]`` through ``token_seq``/``token_query_index``.
+    """
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot written by each token
+    block_tables: torch.Tensor  # [B, blocks] cache blocks of each sequence
+    token_seq: torch.Tensor  # [T] sequence of each token
+    token_query_index: torch.Tensor  # [T] position of the token among its sequence's queries
+    mask: torch.Tensor  # [B, 1, Q, blocks * block_size] True where attention is allowed
+    max_query_len: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(desc: ModelDescription) -> nn.Module:
+    if desc.norm == "rms":
+        return RMSNorm(desc.hidden_size, desc.norm_eps)
+    return nn.LayerNorm(desc.hidden_size, eps=desc.norm_eps, bias=desc.norm_bias)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def rope_inverse_frequencies(desc: ModelDescription) -> torch.Tensor:
+    dim = desc.head_dim
+    inv_freq = 1.0 / (desc.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = desc.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind != "default":
+        raise ValueError(f"rope scaling type {kind!r} is not supported")
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE on position row 0 (plugins replace it for 2-D/3-D layouts)."""
+
+    def __init__(self, desc: ModelDescription):
+        super().__init__()
+        self.description = desc
+        self.register_buffer("inv_freq", rope_inverse_frequencies(desc), persistent=False)
+
+    def reset_buffers(self, device) -> None:
+        self.inv_freq = rope_inverse_frequencies(self.description).to(device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        freqs = positions[0].float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's keys/values into the cache, then attend over it.
+
+    q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, blocks, block_size, Hkv, D].
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    keys = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    values = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+    num_seqs = meta.block_tables.shape[0]
+    queries = q.new_zeros(num_seqs, meta.max_query_len, q.shape[1], head_dim)
+    queries[meta.token_seq, meta.token_query_index] = q
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads,
+    )
+    return out.transpose(1, 2)[meta.token_seq, meta.token_query_index]
+
+
+class Attention(nn.Module):
+    def __init__(self, desc: ModelDescription):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = desc.num_heads, desc.num_kv_heads, desc.head_dim
+        self.q_proj = nn.Linear(desc.hidden_size, desc.num_heads * desc.head_dim, bias=desc.qkv_bias)
+        self.k_proj = nn.Linear(desc.hidden_size, desc.num_kv_heads * desc.head_dim, bias=desc.qkv_bias)
+        self.v_proj = nn.Linear(desc.hidden_size, desc.num_kv_heads * desc.head_dim, bias=desc.qkv_bias)
+        self.o_proj = nn.Linear(desc.num_heads * desc.head_dim, desc.hidden_size, bias=desc.o_bias)
+        self.rotary = Rotary(desc) if desc.position == "rope" else None
+        self.scale = desc.attn_scale or 1.0 / math.sqrt(desc.head_dim)
+        self.kv_cache: torch.Tensor | None = None  # set by the model runner
+
+    def forward(self, hidden, positions, meta: AttentionMetadata):
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, positions)
+        out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, desc: ModelDescription):
+        super().__init__()
+        self.gate_proj = (nn.Linear(desc.hidden_size, desc.intermediate_size, bias=desc.mlp_bias)
+                          if desc.gated_mlp else None)
+        self.up_proj = nn.Linear(desc.hidden_size, desc.intermediate_size, bias=desc.mlp_bias)
+        self.down_proj = nn.Linear(desc.intermediate_size, desc.hidden_size, bias=desc.mlp_bias)
+        self.act = ACTIVATIONS[desc.activation]
+
+    def forward(self, x):
+        if self.gate_proj is not None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, desc: ModelDescription):
+        super().__init__()
+        self.input_layernorm = make_norm(desc)
+        self.self_attn = Attention(desc)
+        self.post_attention_layernorm = make_norm(desc)
+        self.mlp = MLP(desc)
+        self.residual_scale = desc.residual_scale
+
+    def forward(self, hidden, positions, meta):
+        normed = self.input_layernorm(hidden)
+        # residual_scale != 1 keeps the normalised input as the residual (GLM's alpha scaling)
+        residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
+        hidden = residual + self.self_attn(normed, positions, meta)
+        normed = self.post_attention_layernorm(hidden)
+        residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
+        return residual + self.mlp(normed)
+
+
+class Backbone(nn.Module):
+    def __init__(self, desc: ModelDescription):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(desc.vocab_size, desc.hidden_size)
+        self.embed_positions = (nn.Embedding(desc.max_position, desc.hidden_size)
+                                if desc.position == "learned" else None)
+        self.layers = nn.ModuleList(DecoderLayer(desc) for _ in range(desc.num_layers))
+        self.norm = make_norm(desc)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, desc: ModelDescription, hooks=None):
+        super().__init__()
+        self.description = desc
+        self.model = Backbone(desc)
+        self.lm_head = nn.Linear(desc.hidden_size, desc.vocab_size, bias=False)
+        if desc.tied_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.hooks = hooks  # pluggy hook relay, for the embed/output hooks
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, batch=None, buffers=None):
+        hidden = self.model.embed_tokens(input_ids)
+        if self.model.embed_positions is not None:
+            hidden = hidden + self.model.embed_positions(positions[0])
+        if self.hooks is not None:
+            self.hooks.zoo_embed_modify(hidden=hidden, batch=batch, buffers=buffers)
+        for layer in self.model.layers:
+            hidden = layer(hidden, positions, meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]

@@ -1,0 +1,89 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zoo.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens proposed for one request.
+
+    ``parents[i]`` is the index of draft token ``i``'s parent, or -1 when its
+    parent is the last committed token. A chain has ``parents == [-1, 0, 1, ...]``.
+    Parents come before children.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def depth(self, i: int) -> int:
+        d = 1
+        while self.parents[i] >= 0:
+            i, d = self.parents[i], d + 1
+        return d
+
+    def ancestors(self, i: int) -> list[int]:
+        """Draft indices on the path from the root to ``i``, inclusive."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)  # request fields plugins read (images, adapter...)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt_tokens: int = 0  # of those, how many came from the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    output_text: str = ""
+    generator: torch.Generator | None = None
+    plugin_state: dict[str, Any] = field(default_factory=dict)
+    arrival_step: int = 0
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error

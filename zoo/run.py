@@ -1,0 +1,95 @@
+"""``python -m zoo.run``: the Hydra command line over ``conf/``.
+
+    python -m zoo.run prompt="Hello"
+    python -m zoo.run model=gpt2 model.path=/ckpt input.file=requests.jsonl output.format=jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from zoo.config import register_plugin_configs
+from zoo.errors import ZooError
+from zoo.llm import LLM
+
+
+def read_requests(cfg: DictConfig) -> list:
+    if cfg.input.file:
+        path = Path(cfg.input.file)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ZooError(f"cannot read input.file={path}: {exc.strerror}") from None
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                record = {"_error": f"{path}:{number} is not valid JSON: {exc.msg}"}
+            if not isinstance(record, dict):
+                record = {"_error": f"{path}:{number} must be a JSON object"}
+            records.append(record)
+        if not records:
+            raise ZooError(f"input.file={path} holds no requests")
+        return records
+    if cfg.prompt is not None:
+        return [{"prompt": str(cfg.prompt)}]
+    return [{"prompt": "Once upon a time"}]
+
+
+def run(cfg: DictConfig) -> int:
+    try:
+        if cfg.output.format not in ("text", "jsonl"):
+            raise ZooError(f"output.format={cfg.output.format!r} must be text or jsonl")
+        llm = LLM(config=cfg)
+        records = read_requests(cfg)
+    except ZooError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine = llm.engine
+    print(f"model: {engine.loaded.source}", file=sys.stderr)
+    requests = []
+    for index, record in enumerate(records):
+        error = record.pop("_error", None)
+        request = llm._add(record, None, index)
+        if error:
+            request.finish("error", error)
+            engine.scheduler.waiting.remove(request) if request in engine.scheduler.waiting else None
+        requests.append(request)
+    engine.run_until_done()
+    for request in requests:
+        out = llm.output_of(request)
+        if cfg.output.format == "jsonl":
+            print(json.dumps(out.to_json()), flush=True)
+        elif out.error:
+            print(f"[{out.id}] error: {out.error}")
+        else:
+            print(f"[{out.id}] {out.text}")
+    print(engine.summary(), file=sys.stderr)
+    return 0
+
+
+@hydra.main(config_path="pkg://zoo_conf", config_name="config", version_base=None)
+def _main(cfg: DictConfig) -> None:
+    OmegaConf.set_struct(cfg, True)
+    sys.exit(run(cfg))
+
+
+def main() -> None:
+    try:
+        register_plugin_configs()
+    except ZooError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Per-request sampling settings, validated before a request enters the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from zoo.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "SamplingParams":
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise RequestError(f"unknown sampling key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = {k: v for k, v in values.items() if v is not None or k in ("seed", "logprobs")}
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        if "logit_bias" in values:
+            try:
+                values["logit_bias"] = {int(k): float(v) for k, v in dict(values["logit_bias"]).items()}
+            except (TypeError, ValueError):
+                raise RequestError("sampling.logit_bias must map token ids to numbers") from None
+        params = cls(**values)
+        params.validate()
+        return params
+
+    def merged(self, overrides: dict[str, Any] | None) -> "SamplingParams":
+        if not overrides:
+            return self
+        return SamplingParams.from_dict({**asdict(self), **overrides})
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise RequestError(f"invalid sampling value: {message}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens={self.min_new_tokens!r} must be an integer in [0, max_new_tokens]")
+        need(is_num(self.temperature) and self.temperature >= 0, f"temperature={self.temperature!r} must be >= 0")
+        need(is_int(self.top_k) and self.top_k >= 0, f"top_k={self.top_k!r} must be an integer >= 0 (0 disables)")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
+        need(is_num(self.min_p) and 0 <= self.min_p < 1, f"min_p={self.min_p!r} must be in [0, 1)")
+        need(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty={self.repetition_penalty!r} must be > 0")
+        need(self.seed is None or is_int(self.seed), f"seed={self.seed!r} must be an integer")
+        need(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+             f"stop={self.stop!r} must be a list of non-empty strings")
+        need(isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
+        need(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be true or false")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+             f"logprobs={self.logprobs!r} must be an integer in [0, 20]")
+        need(all(is_num(v) for v in self.logit_bias.values()), "logit_bias values must be finite numbers")
+        if vocab_size is not None:
+            for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+                bad = [t for t in ids if not 0 <= t < vocab_size]
+                need(not bad, f"{name} has token ids {bad} outside the vocabulary [0, {vocab_size})")

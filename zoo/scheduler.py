@@ -1,0 +1,112 @@
+"""Continuous batching with chunked prefill.
+
+Every request just needs its uncomputed tokens run through the model: a
+prefill is many of them, a decode one (plus any draft tokens). Each step takes
+running requests first, then admits waiting ones, until the token budget or
+the sequence limit is reached. When the cache is full, the most recently
+admitted request is preempted: its blocks are freed and it is recomputed from
+its tokens later, which gives the same output as if it had run alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from zoo.block_manager import BlockManager
+from zoo.request import DraftTree, Request, Status
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # cache index of the first token computed this step
+    num_tokens: int  # committed tokens computed this step
+    draft: DraftTree | None = None
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so it yields logits."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_tokens + (len(self.draft.tokens) if self.draft else 0)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def decoding_requests(self) -> list[Request]:
+        """Running requests whose next step is a single-token decode."""
+        return [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+
+    def schedule(self, drafts: dict[int, DraftTree] | None = None) -> list[ScheduledRequest]:
+        drafts = drafts or {}
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            draft = drafts.get(request.request_id)
+            if draft is not None and (num_tokens != 1 or 1 + len(draft.tokens) > budget):
+                draft = None
+            entry = ScheduledRequest(request, request.num_computed_tokens, num_tokens, draft)
+            while not self.blocks.ensure_slots(request, entry.start + entry.num_query_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(entry)
+                budget -= entry.num_query_tokens
+                i += 1
+        # Admitting new work right after a preemption would only preempt again.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            if not request.block_ids:
+                self.blocks.allocate_cached_prefix(request)
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.blocks.ensure_slots(request, request.num_computed_tokens + num_tokens):
+                if not self.running:  # nothing will free blocks: drop the cached prefix and retry later
+                    self._reset(request)
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        return scheduled
+
+    def _reset(self, request: Request) -> None:
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_prompt_tokens = 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._reset(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.blocks.free(request)
