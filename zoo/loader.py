@@ -98,7 +98,7 @@ def _reset_computed_buffers(model: DecoderModel, device: torch.device) -> None:
 
 
 def _progress(done: int, total: int, label: str) -> None:
-    if not sys.stderr.isatty() and done not in (0, total):
+    if not sys.stderr.isatty() and done != total:
         return
     width = 30
     filled = width * done // max(total, 1)

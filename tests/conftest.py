@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random-init HF checkpoints written with save_pretrained.
+
+transformers is the peer zoo is checked against; it is imported only here and
+in tests, never by zoo itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB = 300
+
+TINY_CONFIGS = {
+    # GQA (4 query heads over 2 KV heads) and llama3 RoPE scaling.
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    # qkv bias, tied embeddings.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)),
+    # sliding window shorter than the prompts, so the window matters.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=256, sliding_window=24)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+}
+ZOO_MODEL_OPTION = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gpt2": "gpt2"}
+
+
+def make_checkpoint(name: str, folder, eos_token_id=None, initializer_range=0.1):
+    import transformers
+
+    config_class, model_class, kwargs = TINY_CONFIGS[name]
+    config = getattr(transformers, config_class)(
+        vocab_size=VOCAB, eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
+        initializer_range=initializer_range, **kwargs)
+    torch.manual_seed(sum(map(ord, name)))
+    model = getattr(transformers, model_class)(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """{name: (folder, transformers model)} for every tiny architecture."""
+    out = {}
+    for name in TINY_CONFIGS:
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = (folder, make_checkpoint(name, folder))
+    return out
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int):
+    """transformers' greedy tokens and per-step logits for one prompt."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    return tokens, torch.stack([l[0] for l in out.logits])
+
+
+def prompt_set(seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths, some sharing a 20-token prefix (for prefix caching)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, VOCAB, (20,), generator=g).tolist()
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 33, 11)]
+    prompts += [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    return prompts

@@ -1,0 +1,94 @@
+"""Greedy tokens and logits against transformers, under every scheduling regime."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_CONFIGS, ZOO_MODEL_OPTION, hf_greedy, prompt_set
+from zoo import LLM, SamplingParams, hookimpl
+
+MAX_NEW = 12
+LOGIT_ATOL = 1e-4  # float32 on CPU: zoo's paged attention vs transformers' SDPA/eager
+
+# runtime settings per regime: (kwargs, what must have happened)
+REGIMES = {
+    "batched": dict(block_size=16, max_num_batched_tokens=512),
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
+    "preemption": dict(block_size=4, num_kv_blocks=18, max_num_batched_tokens=64),
+}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    refs = {}
+    for name, (_, model) in checkpoints.items():
+        refs[name] = [hf_greedy(model, p, MAX_NEW) for p in prompt_set()]
+    return refs
+
+
+class LogitsRecorder:
+    """Records the raw logits rows zoo samples from (no processors are active with greedy defaults)."""
+
+    name = "logits_recorder"
+
+    def __init__(self):
+        self.rows = {}
+
+    @hookimpl
+    def zoo_logits_process(self, logits, requests):
+        for row, request in zip(logits, requests):
+            self.rows.setdefault(request.request_id, []).append(row.clone())
+
+
+def run_zoo(folder, name, prompts, plugins=(), **runtime):
+    llm = LLM(str(folder), model=ZOO_MODEL_OPTION[name], plugins=list(plugins), **runtime)
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    return llm, llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_greedy_tokens_match_transformers(checkpoints, references, name, regime):
+    prompts = prompt_set()
+    recorder = LogitsRecorder()
+    llm, outputs = run_zoo(checkpoints[name][0], name, prompts, plugins=[recorder], **REGIMES[regime])
+    for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outputs, references[name])):
+        assert out.error is None
+        assert out.token_ids == ref_tokens, f"prompt {i}"
+        zoo_logits = torch.stack(recorder.rows[i])
+        torch.testing.assert_close(zoo_logits, ref_logits, atol=LOGIT_ATOL, rtol=0)
+    if regime == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    if regime == "chunked_prefill":
+        assert llm.engine.stats.steps > sum(len(p) for p in prompts) // 7
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_prefix_cache_reuse_keeps_tokens(checkpoints, references, name):
+    prompts = prompt_set()
+    llm, first = run_zoo(checkpoints[name][0], name, prompts, block_size=4)
+    hits_before = llm.engine.blocks.prefix_hit_tokens  # requests admitted in one step cannot share yet
+    second = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    # every full block of every prompt (but the block holding the last token) comes from the cache
+    assert llm.engine.blocks.prefix_hit_tokens - hits_before == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    for out_a, out_b, (ref_tokens, _) in zip(first, second, references[name]):
+        assert out_a.token_ids == ref_tokens
+        assert out_b.token_ids == ref_tokens
+
+
+def test_logprobs_equal_log_softmax_of_transformers(checkpoints, references):
+    folder, _ = checkpoints["llama"]
+    llm = LLM(str(folder))
+    prompts = prompt_set()[:3]
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=3))
+    for out, (ref_tokens, ref_logits) in zip(outputs, references["llama"]):
+        ref = torch.log_softmax(ref_logits.float(), -1)
+        assert len(out.logprobs) == MAX_NEW
+        for step, entry in enumerate(out.logprobs):
+            assert entry["token_id"] == ref_tokens[step]
+            assert entry["logprob"] == pytest.approx(float(ref[step, ref_tokens[step]]), abs=1e-4)
+            top_ids = [t for t, _ in entry["top"]]
+            assert top_ids == torch.topk(ref[step], 3).indices.tolist()
+            for token, value in entry["top"]:
+                assert value == pytest.approx(float(ref[step, token]), abs=1e-4)
