@@ -156,6 +156,10 @@ class Engine:
         """Run one forward pass; returns ``(request, new_token_ids)`` for requests that advanced."""
         decoding = self.scheduler.decoding_requests()
         drafts = self.hooks.zoo_decoding_propose(requests=decoding, engine=self) if decoding else None
+        for draft in (drafts or {}).values():
+            if len(draft.tokens) > self.runner.limits.max_draft_tokens:
+                raise ZooError(f"the decoding plugin proposed {len(draft.tokens)} draft tokens; "
+                               f"runtime.max_draft_tokens is {self.runner.limits.max_draft_tokens}")
         scheduled = self.scheduler.schedule(drafts)
         if not scheduled:
             if self.scheduler.has_work():

@@ -1,0 +1,90 @@
+"""A zoo plugin that forbids repeating n-grams (``processor=no_repeat_ngram``).
+
+When the run config selects ``processor=no_repeat_ngram``, every token that
+would complete an n-gram of ``processor.ngram_size`` tokens already present in
+the request's sequence (prompt plus the tokens generated so far) gets logit
+``-inf``, as transformers' ``no_repeat_ngram_size`` does.
+
+Hooks used:
+
+* ``zoo_config_register``: adds the option ``no_repeat_ngram`` to the Hydra
+  group ``processor``.
+* ``zoo_model_modify``: the one hook that sees the run config at start-up;
+  used only to reject a bad ``ngram_size`` before any request runs.
+* ``zoo_logits_process``: masks the banned tokens of each logits row.
+* ``zoo_request_finished``: drops the request's n-gram index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zoo import ZooError, hookimpl
+
+NAME = "no_repeat_ngram"
+DEFAULT_NGRAM_SIZE = 3
+
+
+class NgramIndex:
+    """The n-grams of one request's token sequence, grouped by their first n-1 tokens.
+
+    A request's tokens only ever grow (prompt, then committed outputs), so the
+    index is extended with the new n-grams at each call instead of rebuilt.
+    """
+
+    __slots__ = ("size", "followers", "indexed")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.followers: dict[tuple[int, ...], set[int]] = {}
+        self.indexed = 0  # n-grams starting at positions < indexed are in `followers`
+
+    def banned(self, tokens: list[int]) -> set[int]:
+        """Tokens that, appended to ``tokens``, would repeat one of its n-grams."""
+        n = self.size
+        for start in range(self.indexed, len(tokens) - n + 1):
+            self.followers.setdefault(tuple(tokens[start:start + n - 1]), set()).add(tokens[start + n - 1])
+        self.indexed = max(self.indexed, len(tokens) - n + 1)
+        if len(tokens) < n - 1:
+            return set()
+        return self.followers.get(tuple(tokens[len(tokens) - n + 1:]), set())
+
+
+def _ngram_size(config) -> int | None:
+    """``processor.ngram_size`` when this processor is selected, else ``None``."""
+    processor = config.get("processor") if config is not None else None
+    if not processor or processor.get("name") != NAME:
+        return None
+    size = processor.get("ngram_size", DEFAULT_NGRAM_SIZE)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ZooError(f"processor.ngram_size={size!r} must be an integer >= 1")
+    return size
+
+
+@hookimpl
+def zoo_config_register(config_store):
+    config_store.store(group="processor", name=NAME, node={"name": NAME, "ngram_size": DEFAULT_NGRAM_SIZE})
+
+
+@hookimpl
+def zoo_model_modify(config):
+    _ngram_size(config)  # fail at start-up, not in the middle of sampling
+
+
+@hookimpl
+def zoo_logits_process(logits, requests, engine):
+    size = _ngram_size(getattr(engine, "config", None))
+    if size is None:
+        return
+    for row, request in zip(logits, requests):
+        index = request.plugin_state.get(NAME)
+        if index is None or index.size != size:
+            index = request.plugin_state[NAME] = NgramIndex(size)
+        banned = index.banned(request.token_ids)
+        if banned:
+            row[torch.tensor(sorted(banned), device=row.device)] = float("-inf")
+
+
+@hookimpl
+def zoo_request_finished(request):
+    request.plugin_state.pop(NAME, None)
