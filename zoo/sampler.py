@@ -45,24 +45,30 @@ class Sampler:
         self.hooks.zoo_logits_process(logits=rows, requests=[request], engine=self.engine)
         return rows[0]
 
-    def choose(self, logits: torch.Tensor, request: Request) -> int:
-        """Pick a token from one processed row."""
-        params = request.params
-        if params.temperature == 0:
-            return int(torch.argmax(logits))
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p applied to one row (temperature > 0)."""
         logits = logits / params.temperature
         if params.top_k and params.top_k < logits.shape[-1]:
             kth = torch.topk(logits, params.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if params.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            probs = sorted_logits.softmax(-1)
             # Keep the smallest set whose mass reaches top_p (the token crossing it included).
-            drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+            drop = probs.cumsum(-1) - probs >= params.top_p
             logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(-1)
         if params.min_p > 0:
             probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
+        return probs
+
+    def choose(self, logits: torch.Tensor, request: Request) -> int:
+        """Pick a token from one processed row."""
+        if request.params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = self.filtered_probs(logits, request.params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this request's generator.
         noise = torch.empty_like(probs).exponential_(generator=self.generator_for(request))
         return int(torch.argmax(probs / noise))

@@ -1,0 +1,153 @@
+"""Sampling: processors against transformers' own, seeds, stop rules, min/max tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import hf_greedy, prompt_set
+from zoo import LLM, SamplingParams
+from zoo.request import Request
+from zoo.sampler import Sampler
+
+
+def _hf_warped_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    scores = logits[None].clone()
+    warpers = [TemperatureLogitsWarper(temperature)]
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(MinPLogitsWarper(min_p))
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores.softmax(-1)[0]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, top_k=20, top_p=0.5), dict(temperature=0.9, min_p=0.1),
+])
+def test_filters_match_transformers_warpers(settings):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        logits = torch.randn(100, generator=g) * 3
+        ours = Sampler.filtered_probs(logits, SamplingParams(**settings))
+        torch.testing.assert_close(ours, _hf_warped_probs(logits, **settings), atol=1e-6, rtol=1e-5)
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    history = [3, 7, 7, 21, 49]
+    request = Request(0, history, SamplingParams(repetition_penalty=1.3))
+
+    class NoHooks:
+        def zoo_logits_process(self, **kwargs):
+            return []
+
+    ours = Sampler(NoHooks(), None, 0, torch.device("cpu")).process(logits, request, history, 0, set())
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), logits[None].clone())[0]
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def llama_llm(checkpoints):
+    return LLM(str(checkpoints["llama"][0]), max_num_seqs=8)
+
+
+def test_seeded_sampling_independent_of_batch(llama_llm):
+    prompts = prompt_set()
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = llama_llm.generate([prompts[1]], params)[0].token_ids
+    other = SamplingParams(max_new_tokens=7, temperature=1.2, seed=5, ignore_eos=True)
+    for batch in ([prompts[0], prompts[1], prompts[2]], [prompts[4], prompts[3], prompts[1]]):
+        per_request = [params if p is prompts[1] else other for p in batch]
+        outs = llama_llm.generate(batch, per_request)
+        assert outs[batch.index(prompts[1])].token_ids == alone
+    # a different seed gives a different sample (with overwhelming probability over 10 tokens)
+    assert llama_llm.generate([prompts[1]], SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9,
+                                                           seed=43, ignore_eos=True))[0].token_ids != alone
+
+
+def test_top_k_one_and_zero_temperature_are_greedy(llama_llm, checkpoints):
+    prompt = prompt_set()[2]
+    ref = hf_greedy(checkpoints["llama"][1], prompt, 8)[0]
+    assert llama_llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids == ref
+    sampled = llama_llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=2.0, top_k=1, seed=3,
+                                                          ignore_eos=True))[0]
+    assert sampled.token_ids == ref
+
+
+def test_max_tokens_and_finish_reason(llama_llm):
+    out = llama_llm.generate([prompt_set()[0]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def eos_checkpoint(checkpoints, tmp_path_factory):
+    """The llama checkpoint with generation_config.json naming its first greedy token as EOS."""
+    folder, model = checkpoints["llama"]
+    prompt = prompt_set()[0]
+    first = hf_greedy(model, prompt, 1)[0][0]
+    copy = tmp_path_factory.mktemp("llama_eos")
+    shutil.copytree(folder, copy, dirs_exist_ok=True)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": first}))
+    return copy, model, prompt, first
+
+
+def test_eos_from_generation_config_stops(eos_checkpoint):
+    folder, _, prompt, eos = eos_checkpoint
+    out = LLM(str(folder)).generate([prompt], SamplingParams(max_new_tokens=10))[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+
+
+def test_min_new_tokens_matches_transformers(eos_checkpoint):
+    folder, model, prompt, eos = eos_checkpoint
+    out = LLM(str(folder)).generate([prompt], SamplingParams(max_new_tokens=10, min_new_tokens=4))[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=4, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.token_ids == ref
+    assert len(out.token_ids) >= 4 and eos not in out.token_ids[:4]
+
+
+def test_stop_token_ids(llama_llm, checkpoints):
+    prompt = prompt_set()[3]
+    ref = hf_greedy(checkpoints["llama"][1], prompt, 10)[0]
+    out = llama_llm.generate([prompt], SamplingParams(max_new_tokens=10, stop_token_ids=[ref[3]], ignore_eos=True))[0]
+    assert out.token_ids == ref[:ref.index(ref[3]) + 1] and out.finish_reason == "stop"
+
+
+def test_stop_strings_cut_the_text():
+    llm = LLM()  # embedded model with the byte tokenizer, so text is predictable from ids
+    free = llm.generate(["The zoo"], SamplingParams(max_new_tokens=24))[0]
+    stop = free.text[5:7]
+    assert stop and free.text.find(stop) == 5
+    out = llm.generate(["The zoo"], SamplingParams(max_new_tokens=24, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:5]
+    assert out.token_ids == free.token_ids[:7]
+
+
+def test_stream_yields_tokens_in_order():
+    llm = LLM()
+    prompts = ["a", "bb", "ccc"]
+    params = SamplingParams(max_new_tokens=6)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    seen = [[] for _ in prompts]
+    finished = []
+    for event in llm.stream(prompts, params):
+        seen[event.index] += event.token_ids
+        if event.finished:
+            finished.append(event.index)
+            assert event.output.token_ids == seen[event.index]
+    assert seen == expected and sorted(finished) == [0, 1, 2]
