@@ -151,7 +151,8 @@ def test_same_tokens_banned_as_transformers(plugin_module, ngram_size):
             scores = torch.randn(2, vocab)  # a batch of two rows for the same request
             expected = reference(torch.tensor([tokens, tokens]), scores.clone())
             actual = scores.clone()
-            plugin_module.zoo_logits_process(logits=actual, requests=[request, request], engine=engine)
+            plugin_module.zoo_logits_process(logits=actual, requests=[request, request], histories=[tokens, tokens],
+                                             engine=engine)
             assert torch.equal(torch.isinf(actual), torch.isinf(expected)), (ngram_size, tokens)
             assert torch.equal(actual[~torch.isinf(actual)], scores[~torch.isinf(actual)])
             request.output_token_ids.append(rng.randrange(vocab))
@@ -161,8 +162,10 @@ def test_inactive_unless_selected(plugin_module):
     request = Request(0, [1, 2, 1, 2, 1], SamplingParams())
     for engine in (fake_engine(2, name="none"), SimpleNamespace(config={})):
         logits = torch.zeros(1, 4)
-        plugin_module.zoo_logits_process(logits=logits, requests=[request], engine=engine)
+        plugin_module.zoo_logits_process(logits=logits, requests=[request], histories=[request.token_ids],
+                                         engine=engine)
         assert torch.equal(logits, torch.zeros(1, 4))
     logits = torch.zeros(1, 4)
-    plugin_module.zoo_logits_process(logits=logits, requests=[request], engine=fake_engine(2))
+    plugin_module.zoo_logits_process(logits=logits, requests=[request], histories=[request.token_ids],
+                                     engine=fake_engine(2))
     assert torch.isinf(logits[0, 2]) and torch.isinf(logits).sum() == 1  # (1, 2) was seen before

@@ -141,3 +141,15 @@ def test_sampling_with_drafts_keeps_target_distribution(checkpoints):
     # 8 degrees of freedom: P(chi2 > 26.1) = 0.001
     assert chi2 < 26.1, (chi2, counts, exact)
     assert drafter.proposed > 0 and math.isfinite(chi2)
+
+
+def test_history_processors_see_accepted_drafts(llama):
+    """Repetition penalty after accepted drafts must count them, exactly as plain decoding does."""
+    folder, prompts, _ = llama
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=3.0)
+    plain = LLM(str(folder)).generate(prompts, params)
+    references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    drafter = OracleDrafter(references, "chain", k=6)
+    drafted = LLM(str(folder), plugins=[drafter]).generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert drafter.proposed > 0

@@ -119,6 +119,13 @@ class Engine:
         self.scheduler.add(request)
         return request
 
+    def reject(self, message: str, extras: dict | None = None) -> Request:
+        """A request that never enters the scheduler: finished with ``error``."""
+        request = Request(self._next_id, [], SamplingParams(), extras=dict(extras or {}))
+        self._next_id += 1
+        request.finish("error", message)
+        return request
+
     def _validate(self, request: Request, prompt, prompt_token_ids) -> None:
         if prompt_token_ids is None:
             if not isinstance(prompt, str):

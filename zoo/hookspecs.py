@@ -168,12 +168,15 @@ def zoo_output_collect(hidden, batch, buffers):
 
 
 @hookspec
-def zoo_logits_process(logits, requests, engine):
+def zoo_logits_process(logits, requests, histories, engine):
     """Adjust next-token logits before sampling, in place.
 
     Runs after the core's own processors (repetition penalty, logit bias,
     min tokens). ``logits`` is ``[num_rows, vocab]`` float32 with one row per
-    entry of ``requests``. Returns nothing.
+    entry of ``requests``; ``histories[i]`` is the token sequence row ``i``
+    follows (prompt, generated tokens, and any draft tokens accepted earlier
+    in the same step, so it can be longer than ``request.token_ids``).
+    Returns nothing.
     """
 
 

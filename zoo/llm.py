@@ -8,6 +8,7 @@ from typing import Any
 
 from zoo.config import compose_config, to_plain
 from zoo.engine import Engine
+from zoo.errors import ZooError
 from zoo.request import Request
 from zoo.sampling_params import SamplingParams
 
@@ -90,9 +91,8 @@ class LLM:
             prompt, prompt_ids = (item, None) if isinstance(item, str) else (None, item)
         try:
             request_params = base.merged(overrides)
-        except Exception as exc:  # an invalid override rejects this request only
-            request = self.engine.add_request(prompt_token_ids=[], params=base)
-            request.finish("error", str(exc))
+        except ZooError as exc:  # an invalid override rejects this request only
+            request = self.engine.reject(str(exc))
         else:
             request = self.engine.add_request(prompt, prompt_ids, request_params, extras)
         request.extras.setdefault("id", rid)

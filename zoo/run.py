@@ -32,9 +32,9 @@ def read_requests(cfg: DictConfig) -> list:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                record = {"_error": f"{path}:{number} is not valid JSON: {exc.msg}"}
+                record = {"_error": f"line {number} of {path} is not valid JSON: {exc.msg}"}
             if not isinstance(record, dict):
-                record = {"_error": f"{path}:{number} must be a JSON object"}
+                record = {"_error": f"line {number} of {path} must be a JSON object"}
             records.append(record)
         if not records:
             raise ZooError(f"input.file={path} holds no requests")
@@ -55,14 +55,8 @@ def run(cfg: DictConfig) -> int:
         return 2
     engine = llm.engine
     print(f"model: {engine.loaded.source}", file=sys.stderr)
-    requests = []
-    for index, record in enumerate(records):
-        error = record.pop("_error", None)
-        request = llm._add(record, None, index)
-        if error:
-            request.finish("error", error)
-            engine.scheduler.waiting.remove(request) if request in engine.scheduler.waiting else None
-        requests.append(request)
+    requests = [engine.reject(record["_error"], {"id": index}) if "_error" in record else llm._add(record, None, index)
+                for index, record in enumerate(records)]
     engine.run_until_done()
     for request in requests:
         out = llm.output_of(request)

@@ -42,7 +42,7 @@ class Sampler:
         if num_generated < params.min_new_tokens and stop_ids:
             logits[torch.tensor(sorted(stop_ids), device=logits.device)] = float("-inf")
         rows = logits[None]
-        self.hooks.zoo_logits_process(logits=rows, requests=[request], engine=self.engine)
+        self.hooks.zoo_logits_process(logits=rows, requests=[request], histories=[history], engine=self.engine)
         return rows[0]
 
     @staticmethod

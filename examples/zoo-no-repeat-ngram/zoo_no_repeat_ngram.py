@@ -72,15 +72,17 @@ def zoo_model_modify(config):
 
 
 @hookimpl
-def zoo_logits_process(logits, requests, engine):
+def zoo_logits_process(logits, requests, histories, engine):
     size = _ngram_size(getattr(engine, "config", None))
     if size is None:
         return
-    for row, request in zip(logits, requests):
+    # histories, not request.token_ids: under speculative decoding a row may follow draft tokens
+    # accepted earlier in the same step, which are not committed yet.
+    for row, request, history in zip(logits, requests, histories):
         index = request.plugin_state.get(NAME)
         if index is None or index.size != size:
             index = request.plugin_state[NAME] = NgramIndex(size)
-        banned = index.banned(request.token_ids)
+        banned = index.banned(history)
         if banned:
             row[torch.tensor(sorted(banned), device=row.device)] = float("-inf")
 
