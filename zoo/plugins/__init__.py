@@ -39,6 +39,7 @@ def load_plugins(disable: Iterable[str] = (), extra: Iterable[object] = ()) -> p
     allowed = {n.strip() for n in allow.split(",") if n.strip()} if allow else None
     disabled = set(disable)
     known = set()
+    origins = pm.zoo_origins = {}  # plugin name -> (module, distribution), for listings and errors
     for ep in plugin_entry_points():
         known.add(ep.name)
         if ep.name in disabled or (allowed is not None and ep.name not in allowed):
@@ -51,8 +52,7 @@ def load_plugins(disable: Iterable[str] = (), extra: Iterable[object] = ()) -> p
             raise ZooError(f"plugin {ep.name!r} ({ep.value}, from {_origin(ep)}) failed to import: "
                            f"{type(exc).__name__}: {exc}") from None
         _register(pm, module, ep.name, f"{ep.value}, from {_origin(ep)}")
-        pm._zoo_origin = getattr(pm, "_zoo_origin", {})
-        pm._zoo_origin[ep.name] = (ep.value, _origin(ep))
+        origins[ep.name] = (ep.value, _origin(ep))
     for name in sorted((allowed or set()) - known):
         raise ZooError(f"ZOO_PLUGINS names {name!r}, but no installed package provides a zoo plugin of that "
                        f"name (known: {', '.join(sorted(known))})")
@@ -61,7 +61,9 @@ def load_plugins(disable: Iterable[str] = (), extra: Iterable[object] = ()) -> p
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise ZooError(f"plugin {exc.plugin_name!r} is invalid: {exc}") from None
+        name = pm.get_name(exc.plugin)
+        module, dist = origins.get(name, ("", "passed in by the caller"))
+        raise ZooError(f"plugin {name!r} ({module}, from {dist}) is invalid: {exc}") from None
     return pm
 
 
@@ -76,7 +78,7 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str, origin: str) 
 
 def describe_plugins(pm: pluggy.PluginManager) -> list[dict]:
     """One row per registered plugin: name, module, distribution, hooks."""
-    origins = getattr(pm, "_zoo_origin", {})
+    origins = getattr(pm, "zoo_origins", {})
     rows = []
     for name, plugin in sorted(pm.list_name_plugin(), key=lambda item: item[0]):
         hooks = sorted(

@@ -1,0 +1,168 @@
+"""Plugin discovery, hook validation, allow/deny lists, listing, config groups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zoo import LLM, SamplingParams, ZooError, hookimpl
+from zoo.config import compose_config
+from zoo.plugins import describe_plugins, load_plugins
+
+
+def fake_distribution(root, dist_name, plugin_name, module_name, source):
+    """A minimal installed distribution: a module plus dist-info with a zoo.plugins entry point."""
+    (root / f"{module_name}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist_name.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(f"[zoo.plugins]\n{plugin_name} = {module_name}\n")
+
+
+def run_module(module, *args, pythonpath=None, env=None, cwd=None):
+    environ = {**os.environ, **(env or {})}
+    if pythonpath:
+        environ["PYTHONPATH"] = os.pathsep.join([str(pythonpath), environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=environ, cwd=cwd, timeout=120)
+
+
+def test_builtin_plugins_come_from_entry_points():
+    pm = load_plugins()
+    rows = {row["name"]: row for row in describe_plugins(pm)}
+    assert rows["llama"]["module"] == "zoo_plugins.llama"
+    assert rows["gpt"]["module"] == "zoo_plugins.gpt"
+    assert "zoo-runtime" in rows["llama"]["distribution"]
+    assert "zoo_model_architectures" in rows["gpt"]["hooks"] and "zoo_weights_convert" in rows["gpt"]["hooks"]
+
+
+def test_python_m_zoo_plugins_lists_everything(tmp_path):
+    proc = run_module("zoo.plugins", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for expected in ("llama", "gpt", "zoo_plugins.llama", "zoo-runtime", "zoo_weights_convert"):
+        assert expected in proc.stdout
+
+
+def test_allow_list_and_disable(monkeypatch):
+    monkeypatch.setenv("ZOO_PLUGINS", "llama")
+    assert [r["name"] for r in describe_plugins(load_plugins())] == ["llama"]
+    monkeypatch.delenv("ZOO_PLUGINS")
+    assert "gpt" not in [r["name"] for r in describe_plugins(load_plugins(disable=["gpt"]))]
+
+
+def test_disabling_a_model_plugin_through_config():
+    with pytest.raises(ZooError, match="unknown architecture.*GPT2LMHeadModel"):
+        LLM(model="gpt2", overrides=["plugins.disable=[gpt]"])
+
+
+def test_broken_plugin_names_itself_and_its_distribution(tmp_path):
+    fake_distribution(tmp_path, "acme-broken", "acme", "acme_zoo_plugin", "raise ImportError('needs libfoo')\n")
+    proc = run_module("zoo.plugins", pythonpath=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "'acme'" in proc.stderr and "acme-broken 1.2.3" in proc.stderr and "needs libfoo" in proc.stderr
+    proc = run_module("zoo.run", pythonpath=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 2 and "acme-broken" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_misspelt_hook_is_rejected(tmp_path):
+    fake_distribution(tmp_path, "acme-typo", "typo", "acme_typo", """
+        from zoo import hookimpl
+
+        @hookimpl
+        def zoo_model_architecture():  # missing the final s
+            return {}
+    """)
+    proc = run_module("zoo.plugins", pythonpath=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 2 and "'typo'" in proc.stderr and "zoo_model_architecture" in proc.stderr
+
+
+def test_hook_with_unknown_argument_is_rejected():
+    class Bad:
+        @hookimpl
+        def zoo_request_validate(self, request, nonsense):
+            return None
+
+    with pytest.raises(ZooError, match="(?s)invalid.*nonsense"):
+        load_plugins(extra=[Bad()])
+
+
+def test_third_party_architecture_plugin(tmp_path):
+    """A plugin from an installed distribution can add a whole architecture."""
+    fake_distribution(tmp_path, "acme-tiny", "tiny", "acme_tiny", """
+        from zoo import ModelDescription, hookimpl
+
+        def describe(hf):
+            return ModelDescription(architecture="TinyForCausalLM", vocab_size=hf["vocab_size"], hidden_size=32,
+                                    num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
+                                    norm="layer", activation="relu", gated_mlp=False, position="learned")
+
+        @hookimpl
+        def zoo_model_architectures():
+            return {"TinyForCausalLM": describe}
+
+        @hookimpl
+        def zoo_config_register(config_store):
+            config_store.store(group="model", name="tiny",
+                               node={"name": "tiny", "path": None,
+                                     "embedded": {"architectures": ["TinyForCausalLM"], "seed": 3}})
+    """)
+    proc = run_module("zoo.run", "model=tiny", "prompt=hi", "sampling.max_new_tokens=3", "output.format=jsonl",
+                      pythonpath=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "TinyForCausalLM" in proc.stderr and '"finish_reason": "length"' in proc.stdout
+
+
+def test_request_validate_hook_rejects_one_request():
+    class NoSevens:
+        name = "no_sevens"
+
+        @hookimpl
+        def zoo_request_validate(self, request):
+            return "sevens are not allowed" if 7 in request.prompt_token_ids else None
+
+    llm = LLM(plugins=[NoSevens()])
+    outs = llm.generate([[1, 7, 3], [1, 2, 3]], SamplingParams(max_new_tokens=2))
+    assert outs[0].finish_reason == "error" and outs[0].error == "sevens are not allowed"
+    assert outs[1].finish_reason == "length"
+
+
+def test_declared_buffers_are_filled_each_step():
+    """A plugin declares a per-token buffer and fills it; the model sees the step's view."""
+    import torch
+
+    from zoo.model_runner import BufferSpec
+
+    seen = []
+
+    class TokenParity:
+        name = "token_parity"
+
+        @hookimpl
+        def zoo_buffers_declare(self, limits):
+            return [BufferSpec("token_parity", (limits.max_num_tokens,))]
+
+        @hookimpl
+        def zoo_step_prepare(self, batch, buffers):
+            ids = [t for entry in batch.scheduled
+                   for t in entry.request.token_ids[entry.start:entry.start + entry.num_tokens]]
+            buffers["token_parity"].copy_(torch.tensor(ids) % 2)
+
+        @hookimpl
+        def zoo_embed_modify(self, hidden, buffers):
+            seen.append(buffers["token_parity"].tolist())
+
+    llm = LLM(plugins=[TokenParity()])
+    llm.generate([[2, 3, 5]], SamplingParams(max_new_tokens=2))
+    assert seen[0] == [0, 1, 1] and len(seen) == 2 and len(seen[1]) == 1
+
+
+def test_config_groups_and_experiment():
+    cfg = compose_config(["model=gpt2", "experiment=sample_creative"])
+    assert cfg.model.name == "gpt2" and cfg.decoding.name == "none" and cfg.runtime.block_size == 16
+    assert cfg.sampling.temperature == 0.8 and cfg.sampling.seed == 1234
+    with pytest.raises(ZooError, match="bad config override"):
+        compose_config(["runtime.nonexistent=1"])
