@@ -13,6 +13,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Parity is checked in float32; ZOO_DEVICE=cuda runs the same suite on a GPU.
+os.environ.setdefault("ZOO_DEVICE", "cpu")
+os.environ.setdefault("ZOO_DTYPE", "float32")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 VOCAB = 300

@@ -74,11 +74,11 @@ class Engine:
         max_tokens = int(runtime["max_num_batched_tokens"])
         max_draft = int(runtime.get("max_draft_tokens", 0))
         blocks_per_seq = -(-(self.max_model_len + max_draft) // self.block_size)
+        limits = RunnerLimits(max_tokens + max_num_seqs * max_draft, max_num_seqs, blocks_per_seq,
+                              self.block_size, max_draft)
+        self.runner = ModelRunner(self.model, self.description, limits, self.dtype, self.device, self.hooks)
         self.num_blocks = self._num_kv_blocks(runtime, blocks_per_seq * max_num_seqs)
-        limits = RunnerLimits(max_tokens + max_num_seqs * max_draft, max_num_seqs,
-                              min(blocks_per_seq, self.num_blocks), self.block_size, max_draft)
-        self.runner = ModelRunner(self.model, self.description, limits, self.num_blocks,
-                                  self.dtype, self.device, self.hooks)
+        self.runner.allocate_kv_cache(self.num_blocks)
         self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime.get("enable_prefix_caching", True)))
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_tokens)
         self.sampler = Sampler(self.hooks, self, int(runtime.get("seed", 0)), self.device)
@@ -92,11 +92,19 @@ class Engine:
             return int(explicit)
         per_block = ModelRunner.kv_bytes_per_block(self.description, self.block_size, self.dtype)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * float(runtime.get("gpu_memory_utilization", 0.9))
+            # What a full step needs besides the cache, measured by running one.
+            self.profile_peak_bytes = self.runner.profile_peak_memory()
+            _, total = torch.cuda.mem_get_info(self.device)
+            budget = total * float(runtime.get("gpu_memory_utilization", 0.9)) - self.profile_peak_bytes
+            if budget < per_block:
+                raise ZooError(f"no GPU memory left for the KV cache: a step peaks at "
+                               f"{self.profile_peak_bytes / 2**30:.2f} GiB; raise runtime.gpu_memory_utilization "
+                               "or lower runtime.max_num_batched_tokens")
         else:
             budget = float(runtime.get("cpu_kv_cache_gb", 1.0)) * 2**30
         return max(1, min(int(budget // per_block), useful_blocks))
+
+    profile_peak_bytes: int | None = None
 
     # ---------------------------------------------------------------- requests
 

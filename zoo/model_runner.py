@@ -14,6 +14,8 @@ import torch
 
 from zoo.description import ModelDescription
 from zoo.model import AttentionMetadata, DecoderModel
+from zoo.request import Request
+from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
 
 
@@ -56,7 +58,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, description: ModelDescription, limits: RunnerLimits,
-                 num_blocks: int, dtype: torch.dtype, device: torch.device, hooks):
+                 dtype: torch.dtype, device: torch.device, hooks):
         self.model = model
         self.description = description
         self.limits = limits
@@ -87,11 +89,34 @@ class ModelRunner:
             self.specs[spec.name] = spec
         self.buffers = {spec.name: torch.full(spec.shape, spec.fill, dtype=spec.dtype, device=device)
                         for spec in specs}
-        head = description.num_kv_heads, description.head_dim
-        self.kv_cache = torch.zeros(description.num_layers, 2, num_blocks, self.block_size, *head,
-                                    dtype=dtype, device=device)
-        for i, attention in enumerate(model.attention_layers()):
+        self.dtype = dtype
+        self.kv_cache: torch.Tensor | None = None
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = None  # let the old cache go before the new one is made
+        desc = self.description
+        self.kv_cache = torch.zeros(desc.num_layers, 2, num_blocks, self.block_size, desc.num_kv_heads,
+                                    desc.head_dim, dtype=self.dtype, device=self.device)
+        for i, attention in enumerate(self.model.attention_layers()):
             attention.kv_cache = self.kv_cache[i]
+
+    def profile_peak_memory(self) -> int:
+        """Peak CUDA bytes of a forward pass over a full step of tokens (weights included)."""
+        num_tokens = self.limits.max_num_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        dummy = Request(-1, [0] * num_tokens, SamplingParams(max_new_tokens=1))
+        dummy.block_ids = list(range(num_blocks))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run(self.prepare([ScheduledRequest(dummy, 0, num_tokens)]))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_cache = None
+        for attention in self.model.attention_layers():
+            attention.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
 
     @staticmethod
     def kv_bytes_per_block(description: ModelDescription, block_size: int, dtype: torch.dtype) -> int:
