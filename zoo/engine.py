@@ -184,6 +184,8 @@ class Engine:
         start = time.perf_counter()
         batch = self.runner.prepare(scheduled)
         output = self.runner.run(batch)
+        # Count before _advance: committing tokens changes what `samples` means.
+        prefill = sum(e.num_tokens for e in scheduled if e.num_tokens > 1 or not e.samples)
         events = []
         generated_before = self.stats.generated_tokens
         for entry, rows in zip(scheduled, batch.logits_rows):
@@ -191,7 +193,6 @@ class Engine:
             if new_tokens:
                 events.append((entry.request, new_tokens))
         elapsed = time.perf_counter() - start
-        prefill = sum(e.num_tokens for e in scheduled if e.num_tokens > 1 or not e.samples)
         self.stats.prefill_tokens += prefill
         if prefill:
             self.stats.prefill_seconds += elapsed

@@ -73,7 +73,9 @@ def run(cfg: DictConfig) -> int:
 @hydra.main(config_path="pkg://zoo_conf", config_name="config", version_base=None)
 def _main(cfg: DictConfig) -> None:
     OmegaConf.set_struct(cfg, True)
-    sys.exit(run(cfg))
+    status = run(cfg)
+    if status:  # returning normally on success lets a Hydra sweep (-m) go on to its next job
+        sys.exit(status)
 
 
 def main() -> None:
