@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", metavar="OUT", default=None, help="write the results as JSON to OUT")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per measurement; the fastest is kept")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the fastest is kept")
     p.add_argument("--warmup-tokens", type=int, default=4, help="new tokens of the warm-up run")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (and of the random-init weights)")
@@ -148,31 +149,44 @@ def timed(fn, *a):
     return time.perf_counter() - start, result
 
 
-def measure(runner, args) -> dict:
-    """Warm up, then time the prefill-only run and the full run (best of ``repeats``)."""
-    runner.generate(min(args.warmup_tokens, args.new_tokens))
-    prefill_times, full_times, tokens = [], [], None
-    for _ in range(args.repeats):
-        prefill_times.append(timed(runner.generate, 1)[0])
-        t_full, tokens = timed(runner.generate, args.new_tokens)
-        full_times.append(t_full)
-    t_prefill, t_full = min(prefill_times), min(full_times)
+def measure(runners, args) -> dict:
+    """Warm up each engine, then time prefill-only and full runs, engines interleaved per repeat.
+
+    Interleaving makes both engines see the same background load; the fastest run of each kind is kept.
+    """
+    for runner in runners:
+        print(f"warm-up {runner.name} ...", flush=True)
+        runner.generate(min(args.warmup_tokens, args.new_tokens))
+    runs = {r.name: {"prefill": [], "full": [], "tokens": None} for r in runners}
+    for repeat in range(args.repeats):
+        for runner in runners:
+            print(f"repeat {repeat + 1}/{args.repeats}: {runner.name} ...", flush=True)
+            runs[runner.name]["prefill"].append(timed(runner.generate, 1)[0])
+            t_full, tokens = timed(runner.generate, args.new_tokens)
+            runs[runner.name]["full"].append(t_full)
+            runs[runner.name]["tokens"] = tokens
     batch, n = args.batch_size, args.new_tokens
-    decode_time = t_full - t_prefill
-    generated = sum(len(t) for t in tokens)
-    if generated != batch * n:
-        print(f"warning: {runner.name} generated {generated} tokens, expected {batch * n}", file=sys.stderr)
-    return {
-        "prefill_s": t_prefill,
-        "full_s": t_full,
-        "decode_s": decode_time,
-        "prefill_tok_s": batch * args.prompt_len / t_prefill,
-        "decode_tok_s": batch * (n - 1) / decode_time if n > 1 and decode_time > 0 else None,
-        "e2e_tok_s": batch * n / t_full,
-        "prefill_runs_s": prefill_times,
-        "full_runs_s": full_times,
-        "tokens": tokens,
-    }
+    results = {}
+    for name, run in runs.items():
+        t_prefill, t_full = min(run["prefill"]), min(run["full"])
+        decode_time = t_full - t_prefill
+        generated = sum(len(t) for t in run["tokens"])
+        if generated != batch * n:
+            print(f"warning: {name} generated {generated} tokens, expected {batch * n}", file=sys.stderr)
+        results[name] = {
+            "prefill_s": t_prefill,
+            "full_s": t_full,
+            "decode_s": decode_time,
+            "prefill_tok_s": batch * args.prompt_len / t_prefill,
+            "decode_tok_s": batch * (n - 1) / decode_time if n > 1 and decode_time > 0 else None,
+            "e2e_tok_s": batch * n / t_full,
+            "prefill_median_s": statistics.median(run["prefill"]),
+            "full_median_s": statistics.median(run["full"]),
+            "prefill_runs_s": run["prefill"],
+            "full_runs_s": run["full"],
+            "tokens": run["tokens"],
+        }
+    return results
 
 
 def compare(zoo_tokens, hf_tokens) -> dict:
@@ -194,10 +208,11 @@ def fmt(v, spec):
 
 def table(results: dict) -> str:
     lines = [f"{'engine':<14}{'prefill s':>11}{'full s':>10}{'prefill tok/s':>15}{'decode tok/s':>14}"
-             f"{'e2e tok/s':>11}"]
+             f"{'e2e tok/s':>11}{'full s max/min':>16}"]
     for name, r in results.items():
         lines.append(f"{name:<14}{r['prefill_s']:>11.3f}{r['full_s']:>10.3f}{r['prefill_tok_s']:>15.1f}"
-                     f"{fmt(r['decode_tok_s'], '.1f'):>14}{r['e2e_tok_s']:>11.1f}")
+                     f"{fmt(r['decode_tok_s'], '.1f'):>14}{r['e2e_tok_s']:>11.1f}"
+                     f"{max(r['full_runs_s']) / min(r['full_runs_s']):>16.2f}")
     return "\n".join(lines)
 
 
@@ -220,6 +235,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
         "device": str(device), "dtype": args.dtype, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "loadavg_start": os.getloadavg(),
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -247,15 +263,14 @@ def main(argv=None) -> int:
         hf = HFRunner(folder, dtype, device, prompts)
         zoo = ZooRunner(folder, args.dtype, device, prompts, args.batch_size, args.prompt_len)
 
-        results = {}
-        for runner in (hf, zoo):
-            print(f"running {runner.name} ...", flush=True)
-            results[runner.name] = measure(runner, args)
+        results = measure([hf, zoo], args)
         stats = zoo.llm.engine.stats
-        zoo_stats = {"steps": stats.steps, "engine_prefill_s": stats.prefill_seconds,
-                     "engine_decode_s": stats.decode_seconds, "generated_tokens": stats.generated_tokens,
+        zoo_stats = {"steps": stats.steps, "engine_step_s": stats.prefill_seconds + stats.decode_seconds,
+                     "engine_prefill_s": stats.prefill_seconds, "engine_decode_s": stats.decode_seconds,
+                     "generated_tokens": stats.generated_tokens,
                      "prefix_hit_tokens": zoo.llm.engine.blocks.prefix_hit_tokens}
 
+    env["loadavg_end"] = os.getloadavg()
     check = compare(results["zoo"]["tokens"], results["transformers"]["tokens"])
     ratios = {
         "prefill_s": ratio(results["zoo"]["prefill_s"], results["transformers"]["prefill_s"]),
@@ -271,8 +286,15 @@ def main(argv=None) -> int:
     print(f"greedy tokens match: {verdict} ({check['matching_sequences']}/{check['sequences']} sequences identical)"
           + ("" if check["match"] else f"; first mismatches (sequence, position): "
              + ", ".join(f"({m['sequence']}, {m['position']})" for m in check["first_mismatches"])))
-    print(f"zoo engine stats (all runs): {zoo_stats['steps']} steps, prefill {zoo_stats['engine_prefill_s']:.3f} s, "
-          f"decode {zoo_stats['engine_decode_s']:.3f} s, prefix-cache hits {zoo_stats['prefix_hit_tokens']}")
+    print(f"zoo engine.stats (warm-up + all runs): {zoo_stats['steps']} steps, {zoo_stats['engine_step_s']:.3f} s "
+          f"in Engine.step's timed part (prefill steps {zoo_stats['engine_prefill_s']:.3f} s, decode steps "
+          f"{zoo_stats['engine_decode_s']:.3f} s), {zoo_stats['generated_tokens']} tokens generated, "
+          f"prefix-cache hits {zoo_stats['prefix_hit_tokens']}")
+    spread = max(max(r["full_runs_s"]) / min(r["full_runs_s"]) for r in results.values())
+    print(f"load average (1 min) at start {env['loadavg_start'][0]:.2f}, at end {env['loadavg_end'][0]:.2f}"
+          + (f"; WARNING: full-run times vary up to x{spread:.1f} between repeats: other processes are "
+             "competing for the CPU, the ratios are unreliable (try --threads 1 or more --repeats)"
+             if spread > 1.5 else ""))
 
     if args.json:
         record = {

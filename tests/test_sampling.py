@@ -54,7 +54,8 @@ def test_repetition_penalty_matches_transformers():
         def zoo_logits_process(self, **kwargs):
             return []
 
-    ours = Sampler(NoHooks(), None, 0, torch.device("cpu")).process(logits, request, history, 0, set())
+    sampler = Sampler(NoHooks(), None, 0, torch.device("cpu"), eos_token_ids=[])
+    ours = sampler.process(logits[None], [request], [history])[0]
     theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), logits[None].clone())[0]
     torch.testing.assert_close(ours, theirs)
 

@@ -81,7 +81,8 @@ class Engine:
         self.runner.allocate_kv_cache(self.num_blocks)
         self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime.get("enable_prefix_caching", True)))
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_tokens)
-        self.sampler = Sampler(self.hooks, self, int(runtime.get("seed", 0)), self.device)
+        self.sampler = Sampler(self.hooks, self, int(runtime.get("seed", 0)), self.device,
+                               self.description.eos_token_ids)
         self.stats = EngineStats()
         self._next_id = 0
         self._start_times: dict[int, float] = {}
@@ -188,8 +189,15 @@ class Engine:
         prefill = sum(e.num_tokens for e in scheduled if e.num_tokens > 1 or not e.samples)
         events = []
         generated_before = self.stats.generated_tokens
-        for entry, rows in zip(scheduled, batch.logits_rows):
-            new_tokens = self._advance(entry, output.logits[rows])
+        # Requests without drafts are sampled together; drafted ones walk their trees in _advance.
+        plain = [i for i, e in enumerate(scheduled) if e.samples and e.draft is None]
+        chosen = {}
+        if plain:
+            requests = [scheduled[i].request for i in plain]
+            rows = output.logits[[batch.logits_rows[i][0] for i in plain]]
+            chosen = dict(zip(plain, self.sampler.select(rows, requests, [r.token_ids for r in requests])))
+        for i, (entry, rows) in enumerate(zip(scheduled, batch.logits_rows)):
+            new_tokens = self._advance(entry, output.logits, rows, chosen.get(i))
             if new_tokens:
                 events.append((entry.request, new_tokens))
         elapsed = time.perf_counter() - start
@@ -203,34 +211,27 @@ class Engine:
         self.stats.max_blocks_used = max(self.stats.max_blocks_used, self.blocks.num_used_blocks)
         return events
 
-    def _stop_ids(self, request: Request) -> set[int]:
-        ids = set(request.params.stop_token_ids)
-        if not request.params.ignore_eos:
-            ids.update(self.description.eos_token_ids)
-        return ids
-
-    def _advance(self, entry: ScheduledRequest, logits: torch.Tensor) -> list[int]:
+    def _advance(self, entry: ScheduledRequest, logits: torch.Tensor, rows: list[int], token: int | None) -> list[int]:
+        """Commit what one request got from this step; ``token`` is already chosen unless it drafted."""
         request = entry.request
         request.num_computed_tokens = entry.start + entry.num_tokens
         if not entry.samples:
             self.blocks.register_full_blocks(request)
             return []
-        stop_ids = self._stop_ids(request)
-        history = list(request.token_ids)
-        committed: list[int] = []
         if entry.draft is None:
-            token = self._choose(request, logits[0], history, stop_ids)
-            tokens, raw_rows = [token], [logits[0]]
+            tokens, raw_rows = [token], [rows[0]]
         else:
-            accepted, token = self._verify(request, entry.draft, logits, history, stop_ids)
+            accepted, token = self._verify(request, entry.draft, logits[rows])
             tokens = [entry.draft.tokens[i] for i in accepted] + [token]
-            raw_rows = [logits[0]] + [logits[1 + i] for i in accepted]
+            raw_rows = [rows[0]] + [rows[1 + i] for i in accepted]
             first = entry.start + entry.num_tokens
             self.runner.move_cache_entries(request, [first + i for i in accepted],
                                            [first + m for m in range(len(accepted))])
             request.num_computed_tokens = first + len(accepted)
-        for token, raw in zip(tokens, raw_rows):
-            self._commit(request, token, raw, stop_ids)
+        stop_ids = self.sampler.stop_ids(request)
+        committed: list[int] = []
+        for token, row in zip(tokens, raw_rows):
+            self._commit(request, token, logits[row], stop_ids)
             committed.append(token)
             if request.is_finished:
                 break
@@ -243,19 +244,14 @@ class Engine:
             self.blocks.register_full_blocks(request)
         return committed
 
-    def _choose(self, request, raw_row, history, stop_ids) -> int:
-        generated = len(history) - len(request.prompt_token_ids)
-        processed = self.sampler.process(raw_row, request, history, generated, stop_ids)
-        return self.sampler.choose(processed, request)
-
-    def _verify(self, request, draft, logits, history, stop_ids):
+    def _verify(self, request, draft, logits):
         result = self.hooks.zoo_decoding_verify(request=request, draft=draft, logits=logits, sampler=self.sampler)
         if result is not None:
             return result
         # Walk the tree: keep a draft token while it equals what the sampler picks after its parent.
-        accepted, node, history = [], -1, list(history)
+        accepted, node, history = [], -1, list(request.token_ids)
         while True:
-            token = self._choose(request, logits[node + 1], history, stop_ids)
+            token = self.sampler.select(logits[node + 1:node + 2], [request], [history])[0]
             child = next((i for i, p in enumerate(draft.parents) if p == node and draft.tokens[i] == token), None)
             if child is None:
                 return accepted, token

@@ -119,13 +119,16 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) ->
     keys = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     num_seqs = meta.block_tables.shape[0]
-    queries = q.new_zeros(num_seqs, meta.max_query_len, q.shape[1], head_dim)
-    queries[meta.token_seq, meta.token_query_index] = q
+    if meta.max_query_len == 1:  # pure decode: token i is sequence i, no padding needed
+        queries = q[:, None]
+    else:
+        queries = q.new_zeros(num_seqs, meta.max_query_len, q.shape[1], head_dim)
+        queries[meta.token_seq, meta.token_query_index] = q
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
         enable_gqa=q.shape[1] != num_kv_heads,
-    )
-    return out.transpose(1, 2)[meta.token_seq, meta.token_query_index]
+    ).transpose(1, 2)
+    return out[:, 0] if meta.max_query_len == 1 else out[meta.token_seq, meta.token_query_index]
 
 
 class Attention(nn.Module):

@@ -177,11 +177,9 @@ class ModelRunner:
         self._fill(buf["logits_indices"], logits_indices)
         self._fill(buf["context_lens"], context_lens)
         self._fill(buf["draft_start"], draft_starts)
-        table = torch.zeros(num_seqs, num_blocks, dtype=torch.int64)
-        cache_rows = torch.zeros(num_seqs, max_query, dtype=torch.int64)
-        for b, entry in enumerate(scheduled):
-            table[b, :len(entry.request.block_ids)] = torch.tensor(entry.request.block_ids)
-            cache_rows[b, :len(cache_index_rows[b])] = torch.tensor(cache_index_rows[b])
+        table = torch.tensor([e.request.block_ids + [0] * (num_blocks - len(e.request.block_ids))
+                              for e in scheduled], dtype=torch.int64)
+        cache_rows = torch.tensor([r + [0] * (max_query - len(r)) for r in cache_index_rows], dtype=torch.int64)
         buf["block_tables"][:num_seqs, :num_blocks].copy_(table)
         buf["query_cache_index"][:num_seqs, :max_query].copy_(cache_rows)
         if tree_rows:

@@ -12,10 +12,11 @@ from zoo.request import Request
 
 
 class Sampler:
-    def __init__(self, hooks, engine, seed: int, device: torch.device):
+    def __init__(self, hooks, engine, seed: int, device: torch.device, eos_token_ids: list[int]):
         self.hooks = hooks
         self.engine = engine
         self.device = device
+        self.eos_token_ids = list(eos_token_ids)
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
 
@@ -27,23 +28,42 @@ class Sampler:
             request.generator.manual_seed(request.params.seed)
         return request.generator
 
-    def process(self, logits: torch.Tensor, request: Request, history: list[int], num_generated: int,
-                stop_ids: set[int]) -> torch.Tensor:
-        """Apply the request's processors to one row of raw logits (returns a new row)."""
-        params = request.params
+    def stop_ids(self, request: Request) -> set[int]:
+        ids = set(request.params.stop_token_ids)
+        if not request.params.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+    def select(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> list[int]:
+        """Next token for each row of raw ``logits``; row ``i`` follows ``histories[i]``."""
+        logits = self.process(logits, requests, histories)
+        tokens = logits.argmax(-1).tolist()  # greedy rows: one op for the whole batch
+        for i, request in enumerate(requests):
+            if request.params.temperature > 0:
+                probs = self.filtered_probs(logits[i], request.params)
+                # Exponential race: argmax(p / E), E ~ Exp(1), draws from p with this request's generator only.
+                noise = torch.empty_like(probs).exponential_(generator=self.generator_for(request))
+                tokens[i] = int(torch.argmax(probs / noise))
+        return tokens
+
+    def process(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> torch.Tensor:
+        """The requests' processors, then the plugins', on a copy of raw ``logits``."""
         logits = logits.clone()
-        if params.repetition_penalty != 1.0 and history:
-            seen = torch.tensor(sorted(set(history)), device=logits.device)
-            values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                       values * params.repetition_penalty)
-        for token, bias in params.logit_bias.items():
-            logits[token] += bias
-        if num_generated < params.min_new_tokens and stop_ids:
-            logits[torch.tensor(sorted(stop_ids), device=logits.device)] = float("-inf")
-        rows = logits[None]
-        self.hooks.zoo_logits_process(logits=rows, requests=[request], histories=[history], engine=self.engine)
-        return rows[0]
+        for row, request, history in zip(logits, requests, histories):
+            params = request.params
+            if params.repetition_penalty != 1.0 and history:
+                seen = torch.tensor(sorted(set(history)), device=row.device)
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                        values * params.repetition_penalty)
+            for token, bias in params.logit_bias.items():
+                row[token] += bias
+            if len(history) - len(request.prompt_token_ids) < params.min_new_tokens:
+                stop_ids = self.stop_ids(request)
+                if stop_ids:
+                    row[torch.tensor(sorted(stop_ids), device=row.device)] = float("-inf")
+        self.hooks.zoo_logits_process(logits=logits, requests=requests, histories=histories, engine=self.engine)
+        return logits
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -63,15 +83,6 @@ class Sampler:
             probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
             probs = probs / probs.sum()
         return probs
-
-    def choose(self, logits: torch.Tensor, request: Request) -> int:
-        """Pick a token from one processed row."""
-        if request.params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = self.filtered_probs(logits, request.params)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this request's generator.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator_for(request))
-        return int(torch.argmax(probs / noise))
 
     @staticmethod
     def logprobs(raw_logits: torch.Tensor, token: int, top_n: int) -> dict:
