@@ -38,7 +38,7 @@ class LogitsRecorder:
     @hookimpl
     def zoo_logits_process(self, logits, requests):
         for row, request in zip(logits, requests):
-            self.rows.setdefault(request.request_id, []).append(row.clone())
+            self.rows.setdefault(request.request_id, []).append(row.detach().cpu())
 
 
 def run_zoo(folder, name, prompts, plugins=(), **runtime):

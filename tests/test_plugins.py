@@ -166,3 +166,14 @@ def test_config_groups_and_experiment():
     assert cfg.sampling.temperature == 0.8 and cfg.sampling.seed == 1234
     with pytest.raises(ZooError, match="bad config override"):
         compose_config(["runtime.nonexistent=1"])
+
+
+def test_full_size_dummy_step_fits_the_limits():
+    """The step the GPU memory profile runs: more tokens than one sequence may hold."""
+    # GPT-2's learned positions fail loudly if a dummy sequence runs past max_model_len
+    llm = LLM(model="gpt2", max_model_len=40, max_num_batched_tokens=100, block_size=8, max_draft_tokens=2)
+    runner = llm.engine.runner
+    runner.run_full_step()  # 100 + 32*2 tokens over sequences of at most 40 tokens
+    runner.allocate_kv_cache(llm.engine.num_blocks)
+    out = llm.generate(["again"], SamplingParams(max_new_tokens=3))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3

@@ -74,8 +74,8 @@ class Engine:
         max_tokens = int(runtime["max_num_batched_tokens"])
         max_draft = int(runtime.get("max_draft_tokens", 0))
         blocks_per_seq = -(-(self.max_model_len + max_draft) // self.block_size)
-        limits = RunnerLimits(max_tokens + max_num_seqs * max_draft, max_num_seqs, blocks_per_seq,
-                              self.block_size, max_draft)
+        limits = RunnerLimits(max_tokens + max_num_seqs * max_draft, self.max_model_len, max_num_seqs,
+                              blocks_per_seq, self.block_size, max_draft)
         self.runner = ModelRunner(self.model, self.description, limits, self.dtype, self.device, self.hooks)
         self.num_blocks = self._num_kv_blocks(runtime, blocks_per_seq * max_num_seqs)
         self.runner.allocate_kv_cache(self.num_blocks)

@@ -22,6 +22,7 @@ from zoo.scheduler import ScheduledRequest
 @dataclass(frozen=True)
 class RunnerLimits:
     max_num_tokens: int  # query tokens per step
+    max_model_len: int  # positions per sequence
     max_num_seqs: int
     max_blocks_per_seq: int
     block_size: int
@@ -100,16 +101,28 @@ class ModelRunner:
         for i, attention in enumerate(self.model.attention_layers()):
             attention.kv_cache = self.kv_cache[i]
 
+    def run_full_step(self) -> None:
+        """One forward pass as big as the limits allow: the most tokens, split over dummy requests."""
+        limits = self.limits
+        longest = min(limits.max_num_tokens, limits.max_model_len)
+        lengths = [longest] * (limits.max_num_tokens // longest)
+        if limits.max_num_tokens % longest:
+            lengths.append(limits.max_num_tokens % longest)
+        lengths = lengths[:limits.max_num_seqs]
+        blocks_per_seq = -(-longest // self.block_size)
+        self.allocate_kv_cache(len(lengths) * blocks_per_seq)
+        scheduled = []
+        for i, length in enumerate(lengths):
+            dummy = Request(-1 - i, [0] * length, SamplingParams(max_new_tokens=1))
+            dummy.block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            scheduled.append(ScheduledRequest(dummy, 0, length))
+        self.run(self.prepare(scheduled))
+
     def profile_peak_memory(self) -> int:
-        """Peak CUDA bytes of a forward pass over a full step of tokens (weights included)."""
-        num_tokens = self.limits.max_num_tokens
-        num_blocks = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(num_blocks)
-        dummy = Request(-1, [0] * num_tokens, SamplingParams(max_new_tokens=1))
-        dummy.block_ids = list(range(num_blocks))
+        """Peak CUDA bytes of the largest step (weights included), before the KV cache exists."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.run(self.prepare([ScheduledRequest(dummy, 0, num_tokens)]))
+        self.run_full_step()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_cache = None
