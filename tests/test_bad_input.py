@@ -121,6 +121,7 @@ def test_bad_requests_are_rejected_and_the_rest_complete(checkpoints, tmp_path):
         {"prompt_ids": good[1], "logit_bias": {"999": 1.0}},
         {"prompt_ids": good[1], "sampling": {"bogus": 1}},
         {"prompt_ids": "not a list"},
+        {"prompt_ids": good[1], "temprature": 0.5},  # misspelt sampling key
         {"prompt_ids": good[1], "max_new_tokens": 4},
     ]
     lines = [json.dumps(r) for r in records]
@@ -139,7 +140,8 @@ def test_bad_requests_are_rejected_and_the_rest_complete(checkpoints, tmp_path):
     errors = [o["error"] for o in outputs[1:-1]]
     expected = ["outside the vocabulary", "the model's limit is 256", "prompt is empty", "line 5",
                 "no tokenizer.json", "temperature=-0.5", "top_p=0", "max_new_tokens=0",
-                "outside the vocabulary", "unknown sampling key(s): bogus", "prompt_ids must be a list"]
+                "outside the vocabulary", "unknown sampling key(s): bogus", "prompt_ids must be a list",
+                "unknown request field(s): temprature"]
     for error, fragment in zip(errors, expected):
         assert fragment in error, (fragment, error)
     assert "requests: " in proc.stderr  # the summary

@@ -116,6 +116,25 @@ def test_third_party_architecture_plugin(tmp_path):
     assert "TinyForCausalLM" in proc.stderr and '"finish_reason": "length"' in proc.stdout
 
 
+def test_request_fields_hook_admits_plugin_fields():
+    class Adapters:
+        name = "adapters"
+
+        @hookimpl
+        def zoo_request_fields(self):
+            return ["adapter"]
+
+        @hookimpl
+        def zoo_request_admit(self, request):
+            request.plugin_state["adapters"] = request.extras["adapter"]
+
+    llm = LLM(plugins=[Adapters()])
+    out = llm.generate([{"prompt": "a", "adapter": "x"}, {"prompt": "b", "adaptor": "x"}],
+                       SamplingParams(max_new_tokens=2))
+    assert out[0].finish_reason == "length"
+    assert out[1].finish_reason == "error" and "unknown request field(s): adaptor (plugins read: adapter)" in out[1].error
+
+
 def test_request_validate_hook_rejects_one_request():
     class NoSevens:
         name = "no_sevens"

@@ -83,6 +83,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_tokens)
         self.sampler = Sampler(self.hooks, self, int(runtime.get("seed", 0)), self.device,
                                self.description.eos_token_ids)
+        self.request_fields = {f for fields in self.hooks.zoo_request_fields() for f in fields or []}
         self.stats = EngineStats()
         self._next_id = 0
         self._start_times: dict[int, float] = {}
@@ -129,14 +130,19 @@ class Engine:
         self.scheduler.add(request)
         return request
 
-    def reject(self, message: str, extras: dict | None = None) -> Request:
+    def reject(self, message: str, output_id=None) -> Request:
         """A request that never enters the scheduler: finished with ``error``."""
-        request = Request(self._next_id, [], SamplingParams(), extras=dict(extras or {}))
+        request = Request(self._next_id, [], SamplingParams(), output_id=output_id)
         self._next_id += 1
         request.finish("error", message)
         return request
 
     def _validate(self, request: Request, prompt, prompt_token_ids) -> None:
+        unknown = sorted(set(request.extras) - self.request_fields)
+        if unknown:
+            known = sorted(self.request_fields)
+            raise RequestError(f"unknown request field(s): {', '.join(unknown)}"
+                               + (f" (plugins read: {', '.join(known)})" if known else ""))
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise RequestError("a request needs `prompt` (text) or `prompt_ids` (list of token ids)")

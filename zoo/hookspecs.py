@@ -96,6 +96,18 @@ def zoo_buffers_declare(description, limits):
 
 
 @hookspec
+def zoo_request_fields():
+    """Name the request fields this plugin reads.
+
+    Runs when the engine starts. Returns a list of field names (``images``,
+    ``adapter``...) that a JSONL record or request dict may carry besides
+    the prompt, ``id`` and sampling keys; they reach the plugin in
+    ``request.extras``. A field no plugin names rejects the request, so a
+    misspelt key is an error instead of being ignored. Contribute.
+    """
+
+
+@hookspec
 def zoo_request_validate(request, description):
     """Check a request before it is admitted.
 

@@ -95,13 +95,13 @@ class LLM:
             request = self.engine.reject(str(exc))
         else:
             request = self.engine.add_request(prompt, prompt_ids, request_params, extras)
-        request.extras.setdefault("id", rid)
+        request.output_id = rid
         return request
 
     def output_of(self, request: Request) -> RequestOutput:
         text = request.output_text or (self.tokenizer.decode(request.output_token_ids) if request.output_token_ids else "")
         return RequestOutput(
-            id=request.extras.get("id", request.request_id),
+            id=request.output_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
             text=text,

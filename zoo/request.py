@@ -55,6 +55,7 @@ class Request:
     params: SamplingParams
     prompt: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # request fields plugins read (images, adapter...)
+    output_id: Any = None  # the caller's id for this request (JSONL `id`, else its index)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -55,7 +55,7 @@ def run(cfg: DictConfig) -> int:
         return 2
     engine = llm.engine
     print(f"model: {engine.loaded.source}", file=sys.stderr)
-    requests = [engine.reject(record["_error"], {"id": index}) if "_error" in record else llm._add(record, None, index)
+    requests = [engine.reject(record["_error"], output_id=index) if "_error" in record else llm._add(record, None, index)
                 for index, record in enumerate(records)]
     engine.run_until_done()
     for request in requests:
