@@ -153,7 +153,9 @@ def zoo_step_prepare(batch, buffers):
     ``batch`` is the :class:`zoo.model_runner.StepBatch` (the scheduled
     requests, their token ranges and drafts); ``buffers`` maps every buffer
     name to a view of the step's size. Write into the views (``copy_``),
-    never replace them. Returns nothing.
+    never replace them. On CUDA the engine first runs one full-size step of
+    dummy requests (negative ``request_id``, all-zero tokens) to measure
+    memory; plugins see it like any other step. Returns nothing.
     """
 
 
