@@ -284,7 +284,7 @@ def main(argv=None) -> int:
           f"end-to-end tok/s x{fmt(ratios['e2e_tok_s'], '.2f')}   prefill time x{fmt(ratios['prefill_s'], '.2f')}")
     verdict = "yes" if check["match"] else "NO"
     print(f"greedy tokens match: {verdict} ({check['matching_sequences']}/{check['sequences']} sequences identical)"
-          + ("" if check["match"] else f"; first mismatches (sequence, position): "
+          + ("" if check["match"] else "; first mismatches (sequence, position): "
              + ", ".join(f"({m['sequence']}, {m['position']})" for m in check["first_mismatches"])))
     print(f"zoo engine.stats (warm-up + all runs): {zoo_stats['steps']} steps, {zoo_stats['engine_step_s']:.3f} s "
           f"in Engine.step's timed part (prefill steps {zoo_stats['engine_prefill_s']:.3f} s, decode steps "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -13,7 +12,7 @@ from zoo.errors import RequestError, ZooError
 from zoo.loader import LoadedModel, build_embedded, load_checkpoint
 from zoo.model_runner import ModelRunner, RunnerLimits
 from zoo.plugins import load_plugins
-from zoo.request import Request, Status
+from zoo.request import Request
 from zoo.sampler import Sampler
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest, Scheduler
@@ -86,9 +85,9 @@ class Engine:
         self.request_fields = {f for fields in self.hooks.zoo_request_fields() for f in fields or []}
         self.stats = EngineStats()
         self._next_id = 0
-        self._start_times: dict[int, float] = {}
 
     def _num_kv_blocks(self, runtime, useful_blocks: int) -> int:
+        self.profile_peak_bytes: int | None = None
         explicit = runtime.get("num_kv_blocks")
         if explicit:
             return int(explicit)
@@ -106,8 +105,6 @@ class Engine:
             budget = float(runtime.get("cpu_kv_cache_gb", 1.0)) * 2**30
         return max(1, min(int(budget // per_block), useful_blocks))
 
-    profile_peak_bytes: int | None = None
-
     # ---------------------------------------------------------------- requests
 
     def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -120,12 +117,10 @@ class Engine:
         except ZooError as exc:
             request.finish("error", str(exc))
             return request
-        if request.params.seed is not None:
-            request.generator = None  # made lazily on the sampler's device
         self.hooks.zoo_request_admit(request=request, engine=self)
         if request.is_finished:  # a plugin rejected it while admitting
             return request
-        self._start_times[request.request_id] = time.perf_counter()
+        request.arrival_time = time.perf_counter()
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.scheduler.add(request)
         return request
@@ -270,7 +265,7 @@ class Engine:
         self.stats.generated_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
-            self.stats.time_to_first_token.append(request.first_token_time - self._start_times[request.request_id])
+            self.stats.time_to_first_token.append(request.first_token_time - request.arrival_time)
         if request.params.logprobs is not None:
             request.output_logprobs.append(Sampler.logprobs(raw_logits, token, request.params.logprobs))
         params = request.params
@@ -319,6 +314,3 @@ class Engine:
                 f"KV blocks: {s.max_blocks_used} of {self.num_blocks} used at peak (block size {self.block_size})"
                 f"  preemptions: {self.scheduler.num_preemptions}")
 
-
-def print_error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)

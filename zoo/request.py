@@ -66,9 +66,9 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     output_text: str = ""
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # made by the sampler on first use when params.seed is set
     plugin_state: dict[str, Any] = field(default_factory=dict)
-    arrival_step: int = 0
+    arrival_time: float = 0.0
     first_token_time: float | None = None
     num_preemptions: int = 0
 
