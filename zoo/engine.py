@@ -75,9 +75,17 @@ class Engine:
         blocks_per_seq = -(-(self.max_model_len + max_draft) // self.block_size)
         limits = RunnerLimits(max_tokens + max_num_seqs * max_draft, self.max_model_len, max_num_seqs,
                               blocks_per_seq, self.block_size, max_draft)
-        self.runner = ModelRunner(self.model, self.description, limits, self.dtype, self.device, self.hooks)
+        try:
+            self.runner = ModelRunner(self.model, self.description, limits, self.dtype, self.device, self.hooks,
+                                      attention_backend=str(runtime.get("attention_backend", "auto")))
+        except ValueError as exc:
+            raise ZooError(str(exc)) from None
         self.num_blocks = self._num_kv_blocks(runtime, blocks_per_seq * max_num_seqs)
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.uses_cuda_graphs = (self.device.type == "cuda" and bool(runtime.get("cuda_graphs", True))
+                                 and not runtime.get("enforce_eager", False) and self.runner.decode_kernel)
+        if self.uses_cuda_graphs:
+            self.runner.capture_cuda_graphs()
         self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime.get("enable_prefix_caching", True)))
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_tokens)
         self.sampler = Sampler(self.hooks, self, int(runtime.get("seed", 0)), self.device,

@@ -23,16 +23,24 @@ from zoo.description import ModelDescription
 class AttentionMetadata:
     """Where this step's tokens go in the paged cache and what each may see.
 
-    Tokens are ragged (no padding). Attention pads them per sequence to
-    ``[num_seqs, max_query_len]`` through ``token_seq``/``token_query_index``.
+    Tokens are ragged (no padding). The SDPA path pads them per sequence to
+    ``[num_seqs, max_query_len]`` through ``token_seq``/``token_query_index``
+    and uses ``mask``; the decode kernel reads the same rule from
+    ``token_cache_index``, ``context_lens``, ``draft_start`` and ``tree_bits``.
     """
 
     slot_mapping: torch.Tensor  # [T] flat cache slot written by each token
     block_tables: torch.Tensor  # [B, blocks] cache blocks of each sequence
     token_seq: torch.Tensor  # [T] sequence of each token
     token_query_index: torch.Tensor  # [T] position of the token among its sequence's queries
-    mask: torch.Tensor  # [B, 1, Q, blocks * block_size] True where attention is allowed
+    mask: torch.Tensor | None  # [B, 1, Q, blocks * block_size] True where allowed; None on the kernel path
     max_query_len: int
+    token_cache_index: torch.Tensor | None = None  # [T] cache index of each token (its causal limit)
+    context_lens: torch.Tensor | None = None  # [B] cache entries of each sequence after this step
+    draft_start: torch.Tensor | None = None  # [B] first cache index of the draft tree
+    tree_bits: torch.Tensor | None = None  # [T] bit i: the token sees draft token i
+    has_tree: bool = False
+    use_decode_kernel: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +124,12 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) ->
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.use_decode_kernel:
+        from zoo.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
+                                      meta.token_seq, meta.token_cache_index, meta.draft_start, meta.tree_bits,
+                                      scale, meta.has_tree)
     keys = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     num_seqs = meta.block_tables.shape[0]

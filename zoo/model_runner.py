@@ -2,8 +2,9 @@
 
 Every per-step input lives in a buffer allocated once at its largest size
 (core buffers and those plugins declare); a step writes the first rows of
-each and hands the model views of them. Nothing on the device is allocated
-per step, which is what lets decode steps replay as CUDA graphs.
+each and hands the model views of them. On CUDA, plain decode steps replay a
+CUDA graph captured once per padded batch size over those same buffers, so
+any plugin that fills its declared buffers runs under graphs unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from zoo.model import AttentionMetadata, DecoderModel
 from zoo.request import Request
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
+from zoo import triton_attention
 
 
 @dataclass(frozen=True)
@@ -59,28 +61,29 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, description: ModelDescription, limits: RunnerLimits,
-                 dtype: torch.dtype, device: torch.device, hooks):
+                 dtype: torch.dtype, device: torch.device, hooks, attention_backend: str = "auto"):
         self.model = model
         self.description = description
         self.limits = limits
         self.device = device
         self.hooks = hooks
+        self.dtype = dtype
         self.block_size = limits.block_size
-        t, s, d = limits.max_num_tokens, limits.max_num_seqs, limits.max_draft_tokens
+        t, s = limits.max_num_tokens, limits.max_num_seqs
         core = [
             BufferSpec("input_ids", (t,)),
             BufferSpec("positions", (description.position_rows, t), step_dim=1),
             BufferSpec("slot_mapping", (t,)),
             BufferSpec("token_seq", (t,)),
             BufferSpec("token_query_index", (t,)),
+            BufferSpec("token_cache_index", (t,)),
+            BufferSpec("tree_bits", (t,), fill=-1),
             BufferSpec("logits_indices", (t,)),
             BufferSpec("block_tables", (s, limits.max_blocks_per_seq), per="seq"),
             BufferSpec("query_cache_index", (s, t), per="seq"),
             BufferSpec("context_lens", (s,), per="seq"),
             BufferSpec("draft_start", (s,), per="seq"),
-            BufferSpec("draft_ancestors", (s, max(d, 1), max(d, 1)), dtype=torch.bool, per="seq"),
         ]
-        self.core_names = {spec.name for spec in core}
         specs = core + [spec for specs in hooks.zoo_buffers_declare(description=description, limits=limits)
                         for spec in specs or []]
         self.specs = {}
@@ -90,14 +93,32 @@ class ModelRunner:
             self.specs[spec.name] = spec
         self.buffers = {spec.name: torch.full(spec.shape, spec.fill, dtype=spec.dtype, device=device)
                         for spec in specs}
-        self.dtype = dtype
         self.kv_cache: torch.Tensor | None = None
+        self.scratch_block = 0  # a cache block no request owns: padded graph rows write there
+        self.graphs: dict[int, tuple] = {}
+        self.decode_kernel = self._decode_kernel_usable(attention_backend)
+
+    def _decode_kernel_usable(self, backend: str) -> bool:
+        if backend == "sdpa":
+            return False
+        desc = self.description
+        shape_ok = (self.block_size >= 16 and self.block_size & (self.block_size - 1) == 0
+                    and desc.head_dim >= 16 and desc.head_dim & (desc.head_dim - 1) == 0
+                    and self.limits.max_draft_tokens < 63 and not desc.sliding_window)
+        usable = self.device.type == "cuda" and triton_attention.available() and shape_ok
+        if backend == "triton" and not usable:
+            raise ValueError("runtime.attention_backend=triton needs CUDA, triton, a power-of-two block_size >= 16, "
+                             "a power-of-two head_dim >= 16 and no sliding window")
+        return usable
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Blocks ``0..num_blocks-1`` for requests, plus one scratch block after them."""
         self.kv_cache = None  # let the old cache go before the new one is made
+        self.graphs = {}
         desc = self.description
-        self.kv_cache = torch.zeros(desc.num_layers, 2, num_blocks, self.block_size, desc.num_kv_heads,
+        self.kv_cache = torch.zeros(desc.num_layers, 2, num_blocks + 1, self.block_size, desc.num_kv_heads,
                                     desc.head_dim, dtype=self.dtype, device=self.device)
+        self.scratch_block = num_blocks
         for i, attention in enumerate(self.model.attention_layers()):
             attention.kv_cache = self.kv_cache[i]
 
@@ -146,7 +167,7 @@ class ModelRunner:
         input_ids, slots, token_seq, query_index, logits_indices = [], [], [], [], []
         positions: list[list[int]] = [[] for _ in range(self.description.position_rows)]
         offsets, logits_rows, cache_index_rows, context_lens, draft_starts = [], [], [], [], []
-        tree_rows = []
+        tree_bits: list[int] = []
         bs = self.block_size
         for b, entry in enumerate(scheduled):
             request, draft = entry.request, entry.draft
@@ -155,12 +176,14 @@ class ModelRunner:
             tokens = request.token_ids[entry.start:entry.start + entry.num_tokens]
             cache_index = list(committed)
             position_index = list(committed)
+            tree_bits += [-1] * len(committed)  # -1: every bit set, committed tokens see all drafts before them
             if draft is not None:
                 tokens += draft.tokens
                 first = entry.start + entry.num_tokens
                 cache_index += range(first, first + len(draft.tokens))
                 position_index += [request.num_tokens - 1 + draft.depth(i) for i in range(len(draft.tokens))]
-                tree_rows.append((b, draft))
+                # Inside a draft tree a token sees its ancestors only, not every earlier draft.
+                tree_bits += [sum(1 << a for a in draft.ancestors(i)) for i in range(len(draft.tokens))]
             for row, values in zip(positions, self._positions(request, position_index)):
                 row.extend(values)
             rows = []
@@ -187,6 +210,8 @@ class ModelRunner:
         self._fill(buf["slot_mapping"], slots)
         self._fill(buf["token_seq"], token_seq)
         self._fill(buf["token_query_index"], query_index)
+        self._fill(buf["token_cache_index"], [i for row in cache_index_rows for i in row])
+        self._fill(buf["tree_bits"], tree_bits)
         self._fill(buf["logits_indices"], logits_indices)
         self._fill(buf["context_lens"], context_lens)
         self._fill(buf["draft_start"], draft_starts)
@@ -195,16 +220,17 @@ class ModelRunner:
         cache_rows = torch.tensor([r + [0] * (max_query - len(r)) for r in cache_index_rows], dtype=torch.int64)
         buf["block_tables"][:num_seqs, :num_blocks].copy_(table)
         buf["query_cache_index"][:num_seqs, :max_query].copy_(cache_rows)
-        if tree_rows:
-            ancestors = buf["draft_ancestors"]
-            ancestors[:num_seqs].zero_()
-            for b, draft in tree_rows:
-                for i in range(len(draft.tokens)):
-                    ancestors[b, i, draft.ancestors(i)] = True
 
+        has_tree = any(e.draft is not None for e in scheduled)
         batch = StepBatch(scheduled, num_tokens, offsets, logits_rows)
         self.step_sizes = {"token": num_tokens, "seq": num_seqs}
-        self.step_meta = self._attention_metadata(num_tokens, num_seqs, max_query, num_blocks, bool(tree_rows))
+        self.step_graph = self._graph_for(scheduled)
+        if self.step_graph is None:
+            use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
+            self.step_meta = self._attention_metadata(num_tokens, num_seqs, max_query, num_blocks, has_tree,
+                                                      use_kernel)
+        else:
+            self._pad_graph_rows(num_seqs, self.step_graph)
         self.hooks.zoo_step_prepare(batch=batch, buffers=self.step_buffers())
         return batch
 
@@ -218,49 +244,115 @@ class ModelRunner:
             views[name] = self.buffers[name].narrow(spec.step_dim, 0, self.step_sizes[spec.per])
         return views
 
-    def _attention_metadata(self, num_tokens, num_seqs, max_query, num_blocks, has_tree) -> AttentionMetadata:
+    def _attention_metadata(self, num_tokens, num_seqs, max_query, num_blocks, has_tree,
+                            use_kernel) -> AttentionMetadata:
         buf = self.buffers
-        length = num_blocks * self.block_size
-        key_index = torch.arange(length, device=self.device)
-        query_cache_index = buf["query_cache_index"][:num_seqs, :max_query]
-        context_lens = buf["context_lens"][:num_seqs]
-        mask = (key_index <= query_cache_index[:, :, None]) & (key_index < context_lens[:, None, None])
-        window = self.description.sliding_window
-        if window:
-            mask &= key_index > query_cache_index[:, :, None] - window
-        if has_tree:
-            # Inside a draft tree a token sees its ancestors only, not every earlier draft.
-            draft_start = buf["draft_start"][:num_seqs]
-            ancestors = buf["draft_ancestors"][:num_seqs]
-            max_draft = ancestors.shape[-1]
-            key_draft = key_index[None, :] - draft_start[:, None]  # [B, L]
-            query_draft = query_cache_index - draft_start[:, None]  # [B, Q]
-            seq = torch.arange(num_seqs, device=self.device)[:, None, None]
-            tree = ancestors[seq, query_draft.clamp(0, max_draft - 1)[:, :, None],
-                             key_draft.clamp(0, max_draft - 1)[:, None, :]]
-            in_tree = (key_draft >= 0)[:, None, :] & (query_draft >= 0)[:, :, None]
-            mask &= ~in_tree | tree
+        mask = None
+        if not use_kernel:
+            key_index = torch.arange(num_blocks * self.block_size, device=self.device)
+            query_cache_index = buf["query_cache_index"][:num_seqs, :max_query]
+            mask = (key_index <= query_cache_index[:, :, None]) & (key_index < buf["context_lens"][:num_seqs, None, None])
+            window = self.description.sliding_window
+            if window:
+                mask &= key_index > query_cache_index[:, :, None] - window
+            if has_tree:
+                bits = torch.full((num_seqs, max_query), -1, dtype=torch.int64, device=self.device)
+                bits[buf["token_seq"][:num_tokens], buf["token_query_index"][:num_tokens]] = buf["tree_bits"][:num_tokens]
+                offset = key_index[None, :] - buf["draft_start"][:num_seqs, None]  # [B, L]
+                allowed = (bits[:, :, None] >> offset.clamp(0, 63)[:, None, :]) & 1 == 1
+                mask &= (offset < 0)[:, None, :] | allowed
+            mask = mask[:, None]
         return AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:num_tokens],
             block_tables=buf["block_tables"][:num_seqs, :num_blocks],
             token_seq=buf["token_seq"][:num_tokens],
             token_query_index=buf["token_query_index"][:num_tokens],
-            mask=mask[:, None],
+            mask=mask,
             max_query_len=max_query,
+            token_cache_index=buf["token_cache_index"][:num_tokens],
+            context_lens=buf["context_lens"][:num_seqs],
+            draft_start=buf["draft_start"][:num_seqs],
+            tree_bits=buf["tree_bits"][:num_tokens],
+            has_tree=has_tree,
+            use_decode_kernel=use_kernel,
         )
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def graph_batch_sizes(self) -> list[int]:
+        limit = self.limits.max_num_seqs
+        sizes = [n for n in (1, 2, 4, 8) if n < limit] + list(range(16, limit, 16)) + [limit]
+        return sorted(set(sizes))
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture one decode graph per padded batch size, largest first, sharing one memory pool."""
+        if not self.decode_kernel:
+            raise ValueError("CUDA graphs need the Triton decode kernel (see runtime.attention_backend)")
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.graph_batch_sizes()):
+            self._pad_graph_rows(0, size)
+            self.step_sizes = {"token": size, "seq": size}
+            buffers = self.step_buffers()
+            meta = self._attention_metadata(size, size, 1, self.limits.max_blocks_per_seq, False, True)
+            meta.block_tables = self.buffers["block_tables"][:size]  # full width: any context length fits
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                self._graph_body(size, meta, buffers)  # warm-up: compiles kernels, fills caches
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits, extras = self._graph_body(size, meta, buffers)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits, extras)
+        torch.cuda.synchronize(self.device)
+
+    def _graph_for(self, scheduled) -> int | None:
+        """The captured batch size a step can replay, or None to run eagerly."""
+        if not self.graphs or any(e.num_tokens != 1 or e.draft is not None or not e.samples for e in scheduled):
+            return None
+        return next((size for size in sorted(self.graphs) if size >= len(scheduled)), None)
+
+    def _pad_graph_rows(self, real: int, size: int) -> None:
+        """Rows ``real..size-1`` become harmless dummies: one token writing to the scratch block."""
+        if real == size:
+            return
+        buf, pad = self.buffers, slice(real, size)
+        buf["input_ids"][pad] = 0
+        buf["positions"][:, pad] = 0
+        buf["slot_mapping"][pad] = self.scratch_block * self.block_size
+        buf["token_seq"][pad] = torch.arange(real, size, device=self.device)
+        buf["token_query_index"][pad] = 0
+        buf["token_cache_index"][pad] = 0
+        buf["tree_bits"][pad] = -1
+        buf["logits_indices"][pad] = torch.arange(real, size, device=self.device)
+        buf["block_tables"][pad, 0] = self.scratch_block
+        buf["context_lens"][pad] = 1
+        buf["draft_start"][pad] = 1
 
     # ------------------------------------------------------------------ run
 
-    @torch.inference_mode()
-    def run(self, batch: StepBatch) -> StepOutput:
-        n = batch.num_tokens
-        buffers = self.step_buffers()
-        hidden = self.model(self.buffers["input_ids"][:n], self.buffers["positions"][:, :n],
-                            self.step_meta, batch=batch, buffers=buffers)
+    def _forward(self, num_tokens: int, meta: AttentionMetadata, batch, buffers):
+        hidden = self.model(self.buffers["input_ids"][:num_tokens], self.buffers["positions"][:, :num_tokens],
+                            meta, batch=batch, buffers=buffers)
         extras = {}
         for result in self.hooks.zoo_output_collect(hidden=hidden, batch=batch, buffers=buffers):
             extras.update(result or {})
+        return hidden, extras
+
+    def _graph_body(self, size: int, meta: AttentionMetadata, buffers):
+        # A decode step's logits rows are its tokens, in order: no logits_indices gather needed.
+        hidden, extras = self._forward(size, meta, None, buffers)
+        return self.model.compute_logits(hidden), extras
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> StepOutput:
         rows = sum(len(r) for r in batch.logits_rows)
+        if self.step_graph is not None:
+            graph, logits, extras = self.graphs[self.step_graph]
+            graph.replay()
+            return StepOutput(logits=logits[:rows], extras=extras)
+        hidden, extras = self._forward(batch.num_tokens, self.step_meta, batch, self.step_buffers())
         logits = self.model.compute_logits(hidden[self.buffers["logits_indices"][:rows]])
         return StepOutput(logits=logits, extras=extras)
 

@@ -1,0 +1,134 @@
+"""Paged attention for decode steps on GPU, in Triton (flash-decoding).
+
+One program handles one query token, one KV head (with the query heads that
+share it, for GQA) and one split of the context. It reads K/V straight from
+the paged cache through the block table, so nothing is gathered, and writes a
+partial result with its log-sum-exp; the splits are merged afterwards. Long
+contexts thus spread over the GPU even at batch 1.
+
+Each query token sees cache indices ``j <= query_cache_index[t]`` and
+``j < context_lens[seq]``; inside a draft tree (``j >= draft_start[seq]``)
+only the offsets set in ``tree_bits[t]`` (bit ``j - draft_start``). That is
+the same rule the SDPA path builds as a dense mask.
+
+Shapes and strides are fixed per launch configuration, so the kernel is
+captured inside the decode CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs run the SDPA path
+    triton = None
+
+BLOCKS_PER_SPLIT = 16
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q, KCache, VCache, OutPartial, LsePartial,
+        BlockTables, ContextLens, TokenSeq, QueryCacheIndex, DraftStart, TreeBits,
+        scale,
+        stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_bt,
+        stride_ot, stride_oh, stride_os,
+        stride_lt, stride_lh,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        BLOCKS_PER_SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq = tl.load(TokenSeq + token)
+        last = tl.load(QueryCacheIndex + token)
+        visible = tl.minimum(last + 1, tl.load(ContextLens + seq))
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_s = tl.arange(0, BLOCK_SIZE)
+        heads = kv_head * GROUP + offs_g
+        group_mask = offs_g < GROUP
+        q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=group_mask[:, None], other=0.0)
+        if HAS_TREE:
+            draft_start = tl.load(DraftStart + seq)
+            bits = tl.load(TreeBits + token)
+
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        first_block = split * BLOCKS_PER_SPLIT
+        for i in range(BLOCKS_PER_SPLIT):
+            block_index = first_block + i
+            if block_index * BLOCK_SIZE < visible:
+                block = tl.load(BlockTables + seq * stride_bt + block_index)
+                kv_offsets = block * stride_kb + offs_s[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+                k = tl.load(KCache + kv_offsets)
+                v = tl.load(VCache + kv_offsets)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = s * scale
+                positions = block_index * BLOCK_SIZE + offs_s
+                valid = positions < visible
+                if HAS_TREE:
+                    offset = positions - draft_start
+                    in_tree = offset >= 0
+                    allowed = ((bits >> tl.minimum(tl.maximum(offset, 0), 63).to(tl.int64)) & 1) == 1
+                    valid = valid & (~in_tree | allowed)
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                l = l * alpha + tl.sum(p, 1)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+        l_safe = tl.where(l > 0, l, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l > 0, m + tl.log(l_safe), float("-inf"))
+        tl.store(OutPartial + token * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+                 out, mask=group_mask[:, None])
+        tl.store(LsePartial + token * stride_lt + heads * stride_lh + split, lse, mask=group_mask)
+
+
+def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
+                           draft_start, tree_bits, scale: float, has_tree: bool) -> torch.Tensor:
+    """q: [T, H, D]; caches: [blocks, block_size, Hkv, D]; returns [T, H, D] in q's dtype."""
+    tokens, heads, head_dim = q.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = heads // kv_heads
+    num_splits = -(-block_tables.shape[1] // BLOCKS_PER_SPLIT)
+    out_partial = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse_partial = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    _paged_decode_kernel[(tokens, kv_heads, num_splits)](
+        q, key_cache, value_cache, out_partial, lse_partial,
+        block_tables, context_lens, token_seq, query_cache_index, draft_start, tree_bits,
+        scale,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
+        lse_partial.stride(0), lse_partial.stride(1),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, HAS_TREE=has_tree, IEEE=q.dtype == torch.float32,
+    )
+    # Merge the splits: weight each by its share of the total softmax mass.
+    weights = torch.softmax(lse_partial, dim=-1)
+    return (out_partial * weights[..., None]).sum(2).to(q.dtype)
