@@ -1,0 +1,251 @@
+"""GPU benchmark (issue 3): zoo and transformers side by side on a Llama-3.2-1B-shaped bf16 model.
+
+Workloads, all greedy with EOS ignored:
+  1. batch 1, prompt 128, 256 new tokens: decode tokens/s and fraction of the memory roofline;
+  2. batch 64, same lengths: the same, and the ratio to transformers' generate with a static cache (compiled);
+  3. 256 requests, prompt lengths uniform in [100, 1024], 256 new tokens: end-to-end output tokens/s,
+     against transformers' continuous-batching generate_batch.
+Roofline: each decode step must read every weight once plus the KV cache of every sequence; the
+time for those bytes at the copy bandwidth measured in the same run is the floor.
+
+    python bench/gpu.py --out bench/results/gpu            # writes gpu.json, gpu.md, gpu.png
+    python bench/gpu.py --skip-hf                          # zoo only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=2048)
+
+
+def write_checkpoint(folder: Path, layers: int) -> int:
+    import transformers
+
+    config = transformers.LlamaConfig(**{**SHAPE, "num_hidden_layers": layers}, initializer_range=0.02,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    del model
+    torch.cuda.empty_cache()
+    return weight_bytes
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second of a 4 GiB device-to-device copy (median of 20)."""
+    src = torch.randn(2**30, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 4 * 2**30 / statistics.median(times[3:])
+
+
+def kv_bytes_per_token(layers: int) -> int:
+    head_dim = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    return 2 * layers * SHAPE["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, result
+
+
+def zoo_fixed_batch(llm, batch, prompt_len, new_tokens, vocab, weight_bytes, bandwidth, layers):
+    from zoo import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    t_prefill, _ = timed(lambda: llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True)))
+    t_full, outs = timed(lambda: llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+    assert all(len(o.token_ids) == new_tokens for o in outs), [o.error for o in outs][:3]
+    steps = new_tokens - 1
+    decode_s = t_full - t_prefill
+    mean_context = prompt_len + new_tokens / 2
+    step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token(layers)
+    floor_s = steps * step_bytes / bandwidth
+    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "prefill_s": t_prefill,
+            "full_s": t_full, "decode_tok_s": batch * steps / decode_s, "e2e_tok_s": batch * new_tokens / t_full,
+            "step_ms": 1000 * decode_s / steps, "roofline_step_ms": 1000 * floor_s / steps,
+            "roofline_fraction": floor_s / decode_s}, [o.token_ids for o in outs], prompts
+
+
+def offline_requests(vocab, n=256, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/gpu", help="folder for gpu.json, gpu.md, gpu.png")
+    p.add_argument("--skip-hf", action="store_true", help="measure zoo only")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--offline-requests", type=int, default=256)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
+              "layers": args.layers, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    from zoo import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        weight_bytes = write_checkpoint(folder, args.layers)
+        bandwidth = copy_bandwidth()
+        record.update(weight_bytes=weight_bytes, copy_bandwidth_TBps=bandwidth / 1e12)
+        print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+        t_load, llm = timed(lambda: LLM(str(folder), dtype="bfloat16", max_num_seqs=256,
+                                        max_num_batched_tokens=8192, max_model_len=2048,
+                                        gpu_memory_utilization=0.85))
+        engine = llm.engine
+        record["zoo_startup_s"] = t_load
+        record["zoo_kv_blocks"] = engine.num_blocks
+        record["zoo_profile_peak_GiB"] = (engine.profile_peak_bytes or 0) / 2**30
+        record["zoo_cuda_graphs"] = engine.uses_cuda_graphs
+        print(f"zoo ready in {t_load:.1f} s: {engine.num_blocks} KV blocks, step peak "
+              f"{record['zoo_profile_peak_GiB']:.2f} GiB, graphs {engine.uses_cuda_graphs}", flush=True)
+        vocab = SHAPE["vocab_size"]
+        sweep = {}
+        for batch in (1, 8, 32, 64):
+            result, tokens, prompts = zoo_fixed_batch(llm, batch, 128, 256, vocab, weight_bytes, bandwidth,
+                                                      args.layers)
+            sweep[batch] = result
+            if batch == 64:
+                zoo64_tokens, prompts64 = tokens, prompts
+            print(f"zoo batch {batch}: {result['decode_tok_s']:.0f} tok/s decode, step {result['step_ms']:.2f} ms "
+                  f"(roofline {result['roofline_step_ms']:.2f} ms, {100 * result['roofline_fraction']:.0f}%)",
+                  flush=True)
+        record["zoo_sweep"] = sweep
+        requests = offline_requests(vocab, args.offline_requests)
+        params = SamplingParams(max_new_tokens=256, ignore_eos=True)
+        t_offline, outs = timed(lambda: llm.generate(requests, params))
+        generated = sum(len(o.token_ids) for o in outs)
+        record["zoo_offline"] = {"requests": len(requests), "output_tokens": generated, "seconds": t_offline,
+                                 "output_tok_s": generated / t_offline,
+                                 "preemptions": engine.scheduler.num_preemptions}
+        print(f"zoo offline: {generated / t_offline:.0f} output tok/s ({generated} tokens, {t_offline:.1f} s)",
+              flush=True)
+        llm = engine = None  # free the KV cache before transformers loads
+        torch.cuda.empty_cache()
+
+        if not args.skip_hf:
+            record["hf"] = run_transformers(folder, prompts64, zoo64_tokens, requests)
+    write_reports(record, out)
+    return 0
+
+
+def run_transformers(folder, prompts64, zoo64_tokens, requests) -> dict:
+    import transformers
+
+    result = {"version": transformers.__version__}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts64, device="cuda")
+
+    def static(new_tokens):
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, cache_implementation="static", pad_token_id=0)
+    try:
+        t_compile, _ = timed(lambda: static(256))  # first call compiles
+        t_full, seq = timed(lambda: static(256))
+        tokens = seq[:, ids.shape[1]:].tolist()
+        result["static_b64"] = {"first_call_s": t_compile, "full_s": t_full, "e2e_tok_s": 64 * 256 / t_full,
+                                "greedy_match_with_zoo": sum(a == b for a, b in zip(tokens, zoo64_tokens))}
+        print(f"transformers static b64: {64 * 256 / t_full:.0f} tok/s end-to-end (first call {t_compile:.0f} s)",
+              flush=True)
+    except Exception as exc:  # noqa: BLE001 - report, keep the rest
+        result["static_b64"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    try:
+        config = transformers.GenerationConfig(max_new_tokens=256, min_new_tokens=256, do_sample=False,
+                                               eos_token_id=None, pad_token_id=0)
+        t_batch, outs = timed(lambda: model.generate_batch(inputs=requests, generation_config=config))
+        generated = sum(len(v.generated_tokens) for v in outs.values())
+        result["generate_batch"] = {"seconds": t_batch, "output_tokens": generated, "output_tok_s": generated / t_batch}
+        print(f"transformers generate_batch: {generated / t_batch:.0f} output tok/s", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        result["generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    return result
+
+
+def write_reports(record: dict, out: Path) -> None:
+    (out / "gpu.json").write_text(json.dumps(record, indent=2))
+    sweep = record["zoo_sweep"]
+    lines = [f"# zoo on {record['device']} (torch {record['torch']})", "",
+             f"Command: `python bench/{record['command']}`; copy bandwidth {record['copy_bandwidth_TBps']:.2f} TB/s; "
+             f"weights {record['weight_bytes'] / 1e9:.2f} GB bf16.", "",
+             "| batch | decode tok/s | step ms | roofline step ms | roofline fraction |", "|---|---|---|---|---|"]
+    for batch, r in sweep.items():
+        lines.append(f"| {batch} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_step_ms']:.2f} | "
+                     f"{100 * r['roofline_fraction']:.0f}% |")
+    off = record["zoo_offline"]
+    lines += ["", f"Offline, {off['requests']} requests: {off['output_tok_s']:.0f} output tok/s "
+                  f"({off['seconds']:.1f} s, {off['preemptions']} preemptions)."]
+    hf = record.get("hf")
+    if hf:
+        static = hf.get("static_b64", {})
+        batch = hf.get("generate_batch", {})
+        if "e2e_tok_s" in static:
+            lines.append(f"transformers {hf['version']} static-cache compiled generate, batch 64: "
+                         f"{static['e2e_tok_s']:.0f} tok/s end-to-end; zoo/transformers "
+                         f"{sweep[64]['e2e_tok_s'] / static['e2e_tok_s']:.2f}x.")
+        if "output_tok_s" in batch:
+            lines.append(f"transformers generate_batch: {batch['output_tok_s']:.0f} output tok/s; zoo/transformers "
+                         f"{off['output_tok_s'] / batch['output_tok_s']:.2f}x.")
+        for name, r in (("static", static), ("generate_batch", batch)):
+            if "error" in r:
+                lines.append(f"transformers {name} failed: {r['error']}")
+    (out / "gpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        batches = list(sweep)
+        ax.plot(batches, [sweep[b]["decode_tok_s"] for b in batches], "o-", label="zoo decode")
+        ax.plot(batches, [b * 1000 / sweep[b]["roofline_step_ms"] for b in batches], "k--", label="memory roofline")
+        if hf and "e2e_tok_s" in hf.get("static_b64", {}):
+            ax.plot([64], [hf["static_b64"]["e2e_tok_s"]], "s", label="transformers static (compiled)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens/s")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "gpu.png", dpi=120)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
