@@ -66,6 +66,7 @@ class Engine:
         self.loaded: LoadedModel = loaded
         self.model, self.description, self.tokenizer = loaded.model, loaded.description, loaded.tokenizer
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
+        self.model.fuse_projections()  # after plugins: layers they wrapped stay unfused
 
         self.max_model_len = min(self.description.max_position, runtime.get("max_model_len") or 1 << 62)
         self.block_size = int(runtime["block_size"])

@@ -50,10 +50,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Normalise in float32, cast back, then scale: the order HF's Llama uses.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def make_norm(desc: ModelDescription) -> nn.Module:
@@ -93,7 +92,11 @@ def rope_inverse_frequencies(desc: ModelDescription) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE on position row 0 (plugins replace it for 2-D/3-D layouts)."""
+    """Rotate-half RoPE on position row 0 (plugins replace it for 2-D/3-D layouts).
+
+    One instance serves every layer: ``prepare`` turns the step's positions into
+    tables once per forward pass, ``forward`` applies them to q and k.
+    """
 
     def __init__(self, desc: ModelDescription):
         super().__init__()
@@ -103,10 +106,13 @@ class Rotary(nn.Module):
     def reset_buffers(self, device) -> None:
         self.inv_freq = rope_inverse_frequencies(self.description).to(device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[0].float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, tables):
+        cos, sin = tables
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -145,6 +151,34 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) ->
     return out[:, 0] if meta.max_query_len == 1 else out[meta.token_seq, meta.token_query_index]
 
 
+def fuse_linears(*linears: nn.Linear) -> nn.Linear | None:
+    """One Linear computing several that read the same input; they become views of its weight.
+
+    Only plain ``nn.Linear`` layers are fused: one a plugin has wrapped or replaced
+    (an adapter, say) keeps its own forward, and then nothing is fused.
+    """
+    if not all(type(m) is nn.Linear for m in linears):
+        return None
+    has_bias = linears[0].bias is not None
+    if any((m.bias is not None) != has_bias for m in linears):
+        return None
+    first = linears[0].weight
+    fused = nn.Linear(first.shape[1], sum(m.out_features for m in linears), bias=has_bias,
+                      device=first.device, dtype=first.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    start = 0
+    for m in linears:  # share storage, so the separate names still load and report the same values
+        end = start + m.out_features
+        m.weight = nn.Parameter(fused.weight[start:end], requires_grad=False)
+        if has_bias:
+            m.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
+        start = end
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, desc: ModelDescription):
         super().__init__()
@@ -153,17 +187,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(desc.hidden_size, desc.num_kv_heads * desc.head_dim, bias=desc.qkv_bias)
         self.v_proj = nn.Linear(desc.hidden_size, desc.num_kv_heads * desc.head_dim, bias=desc.qkv_bias)
         self.o_proj = nn.Linear(desc.num_heads * desc.head_dim, desc.hidden_size, bias=desc.o_bias)
-        self.rotary = Rotary(desc) if desc.position == "rope" else None
         self.scale = desc.attn_scale or 1.0 / math.sqrt(desc.head_dim)
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
 
-    def forward(self, hidden, positions, meta: AttentionMetadata):
+    def fuse_projections(self) -> None:
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward(self, hidden, rope, meta: AttentionMetadata):
+        """``rope``: (rotary module, its tables for this step), or None without rotary positions."""
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, positions)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(hidden).split([self.q_proj.out_features, self.k_proj.out_features,
+                                                   self.v_proj.out_features], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            rotary, tables = rope
+            q, k = rotary(q, k, tables)
         out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -176,8 +220,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(desc.hidden_size, desc.intermediate_size, bias=desc.mlp_bias)
         self.down_proj = nn.Linear(desc.intermediate_size, desc.hidden_size, bias=desc.mlp_bias)
         self.act = ACTIVATIONS[desc.activation]
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        if self.gate_proj is not None:
+            self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         if self.gate_proj is not None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(self.act(self.up_proj(x)))
@@ -192,11 +244,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(desc)
         self.residual_scale = desc.residual_scale
 
-    def forward(self, hidden, positions, meta):
+    def forward(self, hidden, rope, meta):
         normed = self.input_layernorm(hidden)
         # residual_scale != 1 keeps the normalised input as the residual (GLM's alpha scaling)
         residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
-        hidden = residual + self.self_attn(normed, positions, meta)
+        hidden = residual + self.self_attn(normed, rope, meta)
         normed = self.post_attention_layernorm(hidden)
         residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
         return residual + self.mlp(normed)
@@ -208,6 +260,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(desc.vocab_size, desc.hidden_size)
         self.embed_positions = (nn.Embedding(desc.max_position, desc.hidden_size)
                                 if desc.position == "learned" else None)
+        self.rotary = Rotary(desc) if desc.position == "rope" else None  # shared by all layers
         self.layers = nn.ModuleList(DecoderLayer(desc) for _ in range(desc.num_layers))
         self.norm = make_norm(desc)
 
@@ -228,9 +281,17 @@ class DecoderModel(nn.Module):
             hidden = hidden + self.model.embed_positions(positions[0])
         if self.hooks is not None:
             self.hooks.zoo_embed_modify(hidden=hidden, batch=batch, buffers=buffers)
+        rotary = self.model.rotary
+        rope = (rotary, rotary.prepare(positions, hidden.dtype)) if rotary is not None else None
         for layer in self.model.layers:
-            hidden = layer(hidden, positions, meta)
+            hidden = layer(hidden, rope, meta)
         return self.model.norm(hidden)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into single matrix products where the layers are still plain."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

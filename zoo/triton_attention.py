@@ -107,6 +107,26 @@ if triton is not None:
         tl.store(LsePartial + token * stride_lt + heads * stride_lh + split, lse, mask=group_mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge_splits_kernel(OutPartial, LsePartial, Out, num_splits,
+                             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
+                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        valid = offs_s < num_splits
+        lse = tl.load(LsePartial + token * stride_lt + head * stride_lh + offs_s, mask=valid, other=float("-inf"))
+        weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always sees a token, so the max is finite
+        weights = weights / tl.sum(weights, 0)
+        partial = tl.load(OutPartial + token * stride_ot + head * stride_oh + offs_s[:, None] * stride_os
+                          + offs_d[None, :], mask=valid[:, None], other=0.0)
+        out = tl.sum(partial * weights[:, None], 0)
+        tl.store(Out + token * stride_t + head * stride_h + offs_d, out.to(Out.dtype.element_ty))
+
+
 def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
                            draft_start, tree_bits, scale: float, has_tree: bool) -> torch.Tensor:
     """q: [T, H, D]; caches: [blocks, block_size, Hkv, D]; returns [T, H, D] in q's dtype."""
@@ -130,5 +150,10 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, HAS_TREE=has_tree, IEEE=q.dtype == torch.float32,
     )
     # Merge the splits: weight each by its share of the total softmax mass.
-    weights = torch.softmax(lse_partial, dim=-1)
-    return (out_partial * weights[..., None]).sum(2).to(q.dtype)
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(tokens, heads)](
+        out_partial, lse_partial, out, num_splits,
+        out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
+        lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits))
+    return out
