@@ -166,7 +166,9 @@ def zoo_embed_modify(hidden, batch, buffers):
     Runs inside the model's forward, after the token (and learned position)
     embeddings, before the first layer. ``hidden`` is ``[num_tokens,
     hidden_size]``; write into it (virtual tokens, image features). Returns
-    nothing.
+    nothing. On CUDA this hook is also recorded into the decode CUDA graphs,
+    with ``batch=None``: read per-step data from ``buffers`` with tensor
+    operations only, so that each replay sees the step's values.
     """
 
 
@@ -177,7 +179,9 @@ def zoo_output_collect(hidden, batch, buffers):
     Runs after the final norm, before the LM head. ``hidden`` is
     ``[num_tokens, hidden_size]``. Returns a dict merged into
     ``StepOutput.extras`` (for example the hidden states a draft head
-    needs), or ``None``. Contribute.
+    needs), or ``None``. Contribute. Recorded into the decode CUDA graphs
+    like ``zoo_embed_modify`` (``batch=None``); the tensors returned then are
+    the graph's outputs, refreshed by every replay.
     """
 
 
