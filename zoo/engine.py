@@ -17,6 +17,7 @@ from zoo.sampler import Sampler
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest, Scheduler
 
+MAX_DRAFT_TOKENS = 62  # a draft tree's ancestor set travels as the bits of one int64 per token
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -73,6 +74,8 @@ class Engine:
         max_num_seqs = int(runtime["max_num_seqs"])
         max_tokens = int(runtime["max_num_batched_tokens"])
         max_draft = int(runtime.get("max_draft_tokens", 0))
+        if not 0 <= max_draft <= MAX_DRAFT_TOKENS:
+            raise ZooError(f"runtime.max_draft_tokens={max_draft} must be in [0, {MAX_DRAFT_TOKENS}]")
         blocks_per_seq = -(-(self.max_model_len + max_draft) // self.block_size)
         limits = RunnerLimits(max_tokens + max_num_seqs * max_draft, self.max_model_len, max_num_seqs,
                               blocks_per_seq, self.block_size, max_draft)
@@ -321,5 +324,7 @@ class Engine:
                 f"time to first token: {ttft_text}  prefill: {prefill_rate:.1f} tok/s  "
                 f"decode: {decode_rate:.1f} tok/s  ({s.steps} steps)\n"
                 f"KV blocks: {s.max_blocks_used} of {self.num_blocks} used at peak (block size {self.block_size})"
-                f"  preemptions: {self.scheduler.num_preemptions}")
+                f"  preemptions: {self.scheduler.num_preemptions}"
+                + (f"\nGPU memory: a full step peaked at {self.profile_peak_bytes / 2**30:.2f} GiB before the KV cache; "
+                   f"CUDA graphs {'on' if self.uses_cuda_graphs else 'off'}" if self.profile_peak_bytes else ""))
 

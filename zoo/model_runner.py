@@ -104,7 +104,7 @@ class ModelRunner:
         desc = self.description
         shape_ok = (self.block_size >= 16 and self.block_size & (self.block_size - 1) == 0
                     and desc.head_dim >= 16 and desc.head_dim & (desc.head_dim - 1) == 0
-                    and self.limits.max_draft_tokens < 63 and not desc.sliding_window)
+                    and not desc.sliding_window)
         usable = self.device.type == "cuda" and triton_attention.available() and shape_ok
         if backend == "triton" and not usable:
             raise ValueError("runtime.attention_backend=triton needs CUDA, triton, a power-of-two block_size >= 16, "
