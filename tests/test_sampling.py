@@ -43,6 +43,22 @@ def test_filters_match_transformers_warpers(settings):
         torch.testing.assert_close(ours, _hf_warped_probs(logits, **settings), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("peaked", [False, True])
+def test_batched_filters_equal_per_row_filters(peaked):
+    """One batch of rows with mixed settings, through the top-p shortcut and its full-sort fallback."""
+    g = torch.Generator().manual_seed(int(peaked))
+    settings = [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=1.3, top_p=0.8),
+                dict(temperature=1.0, top_k=20, top_p=0.5), dict(temperature=0.9, min_p=0.1),
+                dict(temperature=1.1, top_p=0.95, min_p=0.02), dict(temperature=2.0, top_k=400, top_p=0.9)]
+    params = [SamplingParams(**s) for s in settings]
+    logits = torch.randn(len(params), 1000, generator=g) * 2
+    if peaked:  # a few likely tokens, as trained models give: top-p is reached within the candidates
+        logits[:, :5] += 12
+    batched = Sampler.filtered_probs_batch(logits, params, candidates=64)
+    for row, p in enumerate(params):
+        torch.testing.assert_close(batched[row], Sampler.filtered_probs(logits[row], p), atol=1e-6, rtol=1e-5)
+
+
 def test_repetition_penalty_matches_transformers():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 

@@ -38,12 +38,20 @@ class Sampler:
         """Next token for each row of raw ``logits``; row ``i`` follows ``histories[i]``."""
         logits = self.process(logits, requests, histories)
         tokens = logits.argmax(-1).tolist()  # greedy rows: one op for the whole batch
-        for i, request in enumerate(requests):
-            if request.params.temperature > 0:
-                probs = self.filtered_probs(logits[i], request.params)
-                # Exponential race: argmax(p / E), E ~ Exp(1), draws from p with this request's generator only.
-                noise = torch.empty_like(probs).exponential_(generator=self.generator_for(request))
-                tokens[i] = int(torch.argmax(probs / noise))
+        sampled = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+        if sampled:
+            probs = self.filtered_probs_batch(logits[sampled], [requests[i].params for i in sampled])
+            # Inverse-CDF draw: one uniform number per row from the request's own generator, so a
+            # seeded request's tokens do not depend on the rest of the batch.
+            uniform = torch.cat([torch.rand(1, generator=self.generator_for(requests[i]), device=self.device)
+                                 for i in sampled])
+            cdf = probs.cumsum(-1)
+            chosen = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+            # Never land on a zero-probability token through rounding at the top of the CDF.
+            chosen = torch.where(probs.gather(1, chosen.clamp(max=probs.shape[1] - 1)[:, None])[:, 0] > 0,
+                                 chosen, probs.argmax(-1)).clamp(max=probs.shape[1] - 1)
+            for i, token in zip(sampled, chosen.tolist()):
+                tokens[i] = token
         return tokens
 
     def process(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> torch.Tensor:
@@ -64,6 +72,48 @@ class Sampler:
                     row[torch.tensor(sorted(stop_ids), device=row.device)] = float("-inf")
         self.hooks.zoo_logits_process(logits=logits, requests=requests, histories=histories, engine=self.engine)
         return logits
+
+    @staticmethod
+    def filtered_probs_batch(logits: torch.Tensor, params: list, candidates: int = 256) -> torch.Tensor:
+        """``filtered_probs`` for many rows at once, each with its own settings.
+
+        Top-p needs the tokens in order of probability; sorting a whole vocabulary per row is the
+        slow part, so only the ``candidates`` most likely are sorted, and a row whose top-p mass
+        is not reached within them falls back to a full sort. The result is the same either way.
+        """
+        rows, vocab = logits.shape
+        device = logits.device
+
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
+        logits = logits / column([p.temperature for p in params])
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        if any(top_k):
+            values = torch.topk(logits, max(top_k), dim=-1).values
+            kth = values.gather(1, (column(top_k, torch.int64) - 1).clamp(min=0))
+            kth = torch.where(column(top_k, torch.int64) > 0, kth, torch.full_like(kth, float("-inf")))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_p = [p.top_p for p in params]
+        nucleus = [r for r in range(rows) if top_p[r] < 1.0]
+        if nucleus:
+            part = logits[nucleus]
+            probs = part.softmax(-1)
+            head = torch.topk(probs, min(candidates, vocab), dim=-1).values
+            limit = column([top_p[r] for r in nucleus])
+            covered = head.sum(-1, keepdim=True) >= limit
+            if not bool(covered.all()):
+                full = torch.sort(probs, dim=-1, descending=True).values
+                head = torch.where(covered, torch.nn.functional.pad(head, (0, vocab - head.shape[1])), full)
+            # Keep the smallest prefix whose mass reaches top_p (the token crossing it included):
+            # every token at least as likely as the last one in that prefix.
+            count = (head.cumsum(-1) - head < limit).sum(-1, keepdim=True)
+            threshold = head.gather(1, count - 1)
+            logits[nucleus] = part.masked_fill(probs < threshold, float("-inf"))
+        probs = logits.softmax(-1)
+        min_p = column([p.min_p for p in params])
+        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
+        return probs / probs.sum(-1, keepdim=True)
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
