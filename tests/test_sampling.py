@@ -39,12 +39,12 @@ def test_filters_match_transformers_warpers(settings):
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         logits = torch.randn(100, generator=g) * 3
-        ours = Sampler.filtered_probs(logits, SamplingParams(**settings))
+        ours = Sampler.filtered_probs_batch(logits[None], [SamplingParams(**settings)])[0]
         torch.testing.assert_close(ours, _hf_warped_probs(logits, **settings), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("peaked", [False, True])
-def test_batched_filters_equal_per_row_filters(peaked):
+def test_batched_filters_match_transformers_row_by_row(peaked):
     """One batch of rows with mixed settings, through the top-p shortcut and its full-sort fallback."""
     g = torch.Generator().manual_seed(int(peaked))
     settings = [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=1.3, top_p=0.8),
@@ -56,7 +56,8 @@ def test_batched_filters_equal_per_row_filters(peaked):
         logits[:, :5] += 12
     batched = Sampler.filtered_probs_batch(logits, params, candidates=64)
     for row, p in enumerate(params):
-        torch.testing.assert_close(batched[row], Sampler.filtered_probs(logits[row], p), atol=1e-6, rtol=1e-5)
+        expected = _hf_warped_probs(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
+        torch.testing.assert_close(batched[row], expected, atol=1e-6, rtol=1e-5)
 
 
 def test_repetition_penalty_matches_transformers():

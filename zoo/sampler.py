@@ -75,7 +75,7 @@ class Sampler:
 
     @staticmethod
     def filtered_probs_batch(logits: torch.Tensor, params: list, candidates: int = 256) -> torch.Tensor:
-        """``filtered_probs`` for many rows at once, each with its own settings.
+        """Temperature, top-k, top-p and min-p (in transformers' order) for many rows, each with its own settings.
 
         Top-p needs the tokens in order of probability; sorting a whole vocabulary per row is the
         slow part, so only the ``candidates`` most likely are sorted, and a row whose top-p mass
@@ -114,25 +114,6 @@ class Sampler:
         min_p = column([p.min_p for p in params])
         probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
         return probs / probs.sum(-1, keepdim=True)
-
-    @staticmethod
-    def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p applied to one row (temperature > 0)."""
-        logits = logits / params.temperature
-        if params.top_k and params.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, params.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # Keep the smallest set whose mass reaches top_p (the token crossing it included).
-            drop = probs.cumsum(-1) - probs >= params.top_p
-            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(-1)
-        if params.min_p > 0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-            probs = probs / probs.sum()
-        return probs
 
     @staticmethod
     def logprobs(raw_logits: torch.Tensor, token: int, top_n: int) -> dict:
