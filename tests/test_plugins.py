@@ -198,3 +198,46 @@ def test_full_size_dummy_step_fits_the_limits():
     runner.allocate_kv_cache(llm.engine.num_blocks)
     out = llm.generate(["again"], SamplingParams(max_new_tokens=3))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_position_hook_reaches_the_model(checkpoints):
+    """A plugin shifting every position by 3 gives transformers' logits for position_ids + 3 (GPT-2)."""
+    import torch
+
+    from conftest import prompt_set
+    from test_parity import LogitsRecorder
+
+    folder, model = checkpoints["gpt2"]
+
+    class Shift:
+        name = "shift_positions"
+
+        @hookimpl
+        def zoo_step_positions(self, indices):
+            return [[i + 3 for i in indices]]
+
+    recorder = LogitsRecorder()
+    prompt = prompt_set()[1]
+    LLM(str(folder), model="gpt2", plugins=[Shift(), recorder]).generate(
+        [prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        shifted = model(ids, position_ids=torch.arange(len(prompt))[None] + 3).logits[0, -1]
+        plain = model(ids).logits[0, -1]
+    torch.testing.assert_close(recorder.rows[0][0], shifted, atol=1e-4, rtol=0)
+    assert (recorder.rows[0][0] - plain).abs().max() > 1e-2  # the shift really changed something
+
+
+def test_token_hook_can_stop_a_request():
+    seen = []
+
+    class StopAtThird:
+        name = "stop_at_third"
+
+        @hookimpl
+        def zoo_token_generated(self, request, token_id):
+            seen.append(token_id)
+            return len(request.output_token_ids) == 3
+
+    out = LLM(plugins=[StopAtThird()]).generate(["abc"], SamplingParams(max_new_tokens=10))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 3 and seen == out.token_ids

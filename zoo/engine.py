@@ -95,6 +95,7 @@ class Engine:
         self.sampler = Sampler(self.hooks, self, int(runtime.get("seed", 0)), self.device,
                                self.description.eos_token_ids)
         self.request_fields = {f for fields in self.hooks.zoo_request_fields() for f in fields or []}
+        self._token_hooks = bool(self.hooks.zoo_token_generated.get_hookimpls())  # skip a per-token no-op call
         self.stats = EngineStats()
         self._next_id = 0
 
@@ -198,7 +199,6 @@ class Engine:
         start = time.perf_counter()
         batch = self.runner.prepare(scheduled)
         output = self.runner.run(batch)
-        # Count before _advance: committing tokens changes what `samples` means.
         prefill = sum(e.num_tokens for e in scheduled if e.num_tokens > 1 or not e.samples)
         events = []
         generated_before = self.stats.generated_tokens
@@ -284,7 +284,7 @@ class Engine:
         generated = len(request.output_token_ids)
         if token in stop_ids and generated >= params.min_new_tokens:
             request.finish("stop")
-        elif any(self.hooks.zoo_token_generated(request=request, token_id=token)):
+        elif self._token_hooks and any(self.hooks.zoo_token_generated(request=request, token_id=token)):
             request.finish("stop")
         elif params.stop and self._cut_at_stop_string(request):
             request.finish("stop")

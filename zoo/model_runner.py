@@ -97,6 +97,7 @@ class ModelRunner:
         self.scratch_block = 0  # a cache block no request owns: padded graph rows write there
         self.graphs: dict[int, tuple] = {}
         self.decode_kernel = self._decode_kernel_usable(attention_backend)
+        self.position_hooks = bool(hooks.zoo_step_positions.get_hookimpls())
 
     def _decode_kernel_usable(self, backend: str) -> bool:
         if backend == "sdpa":
@@ -160,7 +161,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
 
     def _positions(self, request, indices: list[int]) -> list[list[int]]:
-        rows = self.hooks.zoo_step_positions(request=request, indices=indices, description=self.description)
+        rows = None
+        if self.position_hooks:  # most models take the default; skip a per-request no-op hook call
+            rows = self.hooks.zoo_step_positions(request=request, indices=indices, description=self.description)
         return rows if rows is not None else [list(indices)]
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
@@ -173,7 +176,7 @@ class ModelRunner:
             request, draft = entry.request, entry.draft
             offsets.append(len(input_ids))
             committed = list(range(entry.start, entry.start + entry.num_tokens))
-            tokens = request.token_ids[entry.start:entry.start + entry.num_tokens]
+            tokens = request.token_slice(entry.start, entry.start + entry.num_tokens)
             cache_index = list(committed)
             position_index = list(committed)
             tree_bits += [-1] * len(committed)  # -1: every bit set, committed tokens see all drafts before them

@@ -11,7 +11,7 @@ its tokens later, which gives the same output as if it had run alone.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zoo.block_manager import BlockManager
 from zoo.request import DraftTree, Request, Status
@@ -23,11 +23,12 @@ class ScheduledRequest:
     start: int  # cache index of the first token computed this step
     num_tokens: int  # committed tokens computed this step
     draft: DraftTree | None = None
+    # True when this step reaches the request's last token, so it yields logits. Fixed when
+    # scheduled: committing the step's tokens later must not change what the step was.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so it yields logits."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
     @property
     def num_query_tokens(self) -> int:
