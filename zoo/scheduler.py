@@ -84,8 +84,9 @@ class Scheduler:
                 self.blocks.allocate_cached_prefix(request)
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.blocks.ensure_slots(request, request.num_computed_tokens + num_tokens):
-                if not self.running:  # nothing will free blocks: drop the cached prefix and retry later
-                    self._reset(request)
+                # A waiting request holds no blocks: the ones it matched stay cached for its next try,
+                # while running requests (or the preempted request ahead of it) can use them now.
+                self._reset(request)
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING

@@ -1,0 +1,94 @@
+"""Randomised scheduling: whatever the cache size, chunk budget, block size and mix of requests,
+every request gets the tokens it gets when it runs alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import zoo
+from zoo import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each request run by itself on a roomy engine: the reference."""
+    llm = LLM(max_num_seqs=1, block_size=16)
+    cache = {}
+
+    def run(prompt, params):
+        key = (tuple(prompt), params.max_new_tokens, params.temperature, params.seed)
+        if key not in cache:
+            cache[key] = llm.generate([prompt], params)[0].token_ids
+        return cache[key]
+    return run
+
+
+@pytest.mark.parametrize("trial", range(25))
+def test_random_batches_match_requests_run_alone(alone, trial):
+    rng = random.Random(trial)
+    shared = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+    requests = []
+    for _ in range(rng.randint(2, 9)):
+        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(256) for _ in range(rng.randint(1, 50))]
+        sampled = rng.random() < 0.5
+        params = SamplingParams(max_new_tokens=rng.randint(1, 24), ignore_eos=True,
+                                temperature=0.9 if sampled else 0.0, seed=rng.randrange(1000) if sampled else None)
+        requests.append((prompt, params))
+    block_size = rng.choice([1, 2, 4, 8, 16])
+    longest = max(len(p) + s.max_new_tokens for p, s in requests)
+    runtime = dict(block_size=block_size,
+                   num_kv_blocks=-(-longest // block_size) + rng.randint(0, 12),  # often too few: preemption
+                   max_num_batched_tokens=rng.choice([1, 3, 8, 32, 512]),
+                   max_num_seqs=rng.randint(1, 8),
+                   enable_prefix_caching=rng.random() < 0.7)
+    llm = LLM(**runtime)
+    outputs = llm.generate([p for p, _ in requests], [s for _, s in requests])
+    for (prompt, params), out in zip(requests, outputs):
+        assert out.error is None, (runtime, out.error)
+        assert out.token_ids == alone(prompt, params), runtime
+    assert llm.engine.blocks.num_used_blocks == 0  # everything was given back
+
+
+class RandomDrafter:
+    """Proposes random trees whose tokens are sometimes the right continuation (greedy requests only)."""
+
+    name = "random_drafter"
+
+    def __init__(self, references: dict, rng: random.Random):
+        self.references, self.rng = references, rng
+
+    @zoo.hookimpl
+    def zoo_decoding_propose(self, requests):
+        drafts = {}
+        for request in requests:
+            if self.rng.random() < 0.3:
+                continue
+            future = self.references[tuple(request.prompt_token_ids)][len(request.output_token_ids):]
+            tokens, parents = [], []
+            for _ in range(self.rng.randint(1, 6)):
+                parent = self.rng.randrange(-1, len(tokens))
+                depth = 0 if parent < 0 else zoo.DraftTree(tokens, parents).depth(parent)
+                right = future[depth] if depth < len(future) else 0
+                tokens.append(right if self.rng.random() < 0.7 else self.rng.randrange(258))
+                parents.append(parent)
+            drafts[request.request_id] = zoo.DraftTree(tokens, parents)
+        return drafts
+
+
+@pytest.mark.parametrize("trial", range(15))
+def test_random_draft_trees_keep_greedy_tokens(alone, trial):
+    rng = random.Random(1000 + trial)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 6))]
+    params = SamplingParams(max_new_tokens=rng.randint(1, 20), ignore_eos=True)
+    references = {tuple(p): alone(p, params) for p in prompts}
+    block_size = rng.choice([1, 4, 16])
+    runtime = dict(block_size=block_size, max_num_batched_tokens=rng.choice([8, 64, 512]),
+                   num_kv_blocks=-(-(40 + 20 + 8) // block_size) + rng.randint(0, 6),
+                   enable_prefix_caching=rng.random() < 0.5)
+    llm = LLM(plugins=[RandomDrafter(references, rng)], **runtime)
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == references[tuple(prompt)], runtime
+    assert llm.engine.blocks.num_used_blocks == 0
