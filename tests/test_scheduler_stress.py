@@ -92,3 +92,21 @@ def test_random_draft_trees_keep_greedy_tokens(alone, trial):
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == references[tuple(prompt)], runtime
     assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_drafts_never_run_past_the_model_length():
+    """GPT-2's learned positions end at n_positions; drafts near the end must be cut, not crash."""
+    class AlwaysEight:
+        name = "always_eight"
+
+        @zoo.hookimpl
+        def zoo_decoding_propose(self, requests):
+            return {r.request_id: zoo.DraftTree.chain([5] * 8) for r in requests}
+
+    llm = LLM(model="gpt2", overrides=["model.embedded.n_positions=48"], plugins=[AlwaysEight()])
+    plain = LLM(model="gpt2", overrides=["model.embedded.n_positions=48"])
+    prompt = list(range(40))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 48
+    assert out.token_ids == plain.generate([prompt], params)[0].token_ids

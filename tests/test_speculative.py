@@ -153,3 +153,10 @@ def test_history_processors_see_accepted_drafts(llama):
     drafted = LLM(str(folder), plugins=[drafter]).generate(prompts, params)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     assert drafter.proposed > 0
+
+
+def test_draft_tree_depth_cut_keeps_structure():
+    tree = DraftTree([10, 11, 12, 13, 14], [-1, 0, -1, 1, 2])  # depths 1, 2, 1, 3, 2
+    cut = tree.within_depth(2)
+    assert cut.tokens == [10, 11, 12, 14] and cut.parents == [-1, 0, -1, 2]
+    assert tree.within_depth(0) is None

@@ -187,10 +187,8 @@ class Engine:
         """Run one forward pass; returns ``(request, new_token_ids)`` for requests that advanced."""
         decoding = self.scheduler.decoding_requests()
         drafts = self.hooks.zoo_decoding_propose(requests=decoding, engine=self) if decoding else None
-        for draft in (drafts or {}).values():
-            if len(draft.tokens) > self.runner.limits.max_draft_tokens:
-                raise ZooError(f"the decoding plugin proposed {len(draft.tokens)} draft tokens; "
-                               f"runtime.max_draft_tokens is {self.runner.limits.max_draft_tokens}")
+        if drafts:
+            drafts = self._fit_drafts(drafts, decoding)
         scheduled = self.scheduler.schedule(drafts)
         if not scheduled:
             if self.scheduler.has_work():
@@ -223,6 +221,23 @@ class Engine:
         self.stats.steps += 1
         self.stats.max_blocks_used = max(self.stats.max_blocks_used, self.blocks.num_used_blocks)
         return events
+
+    def _fit_drafts(self, drafts: dict, decoding: list[Request]) -> dict:
+        """Check the plugin's drafts and cut them where they would pass the model's last position."""
+        limit = self.runner.limits.max_draft_tokens
+        fitted = {}
+        for request in decoding:
+            draft = drafts.get(request.request_id)
+            if draft is None:
+                continue
+            if len(draft.tokens) > limit:
+                raise ZooError(f"the decoding plugin proposed {len(draft.tokens)} draft tokens; "
+                               f"runtime.max_draft_tokens is {limit}")
+            # A draft token at depth d sits at position num_tokens - 1 + d.
+            draft = draft.within_depth(self.max_model_len - request.num_tokens)
+            if draft is not None:
+                fitted[request.request_id] = draft
+        return fitted
 
     def _advance(self, entry: ScheduledRequest, logits: torch.Tensor, rows: list[int], token: int | None) -> list[int]:
         """Commit what one request got from this step; ``token`` is already chosen unless it drafted."""

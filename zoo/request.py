@@ -39,6 +39,14 @@ class DraftTree:
             i, d = self.parents[i], d + 1
         return d
 
+    def within_depth(self, max_depth: int) -> "DraftTree | None":
+        """The nodes at depth <= ``max_depth`` (renumbered), or None when none is left."""
+        keep = [i for i in range(len(self.tokens)) if self.depth(i) <= max_depth]
+        if not keep:
+            return None
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep])
+
     def ancestors(self, i: int) -> list[int]:
         """Draft indices on the path from the root to ``i``, inclusive."""
         path = []
