@@ -110,3 +110,19 @@ def test_drafts_never_run_past_the_model_length():
     out = llm.generate([prompt], params)[0]
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 48
     assert out.token_ids == plain.generate([prompt], params)[0].token_ids
+
+
+def test_drafts_are_dropped_rather_than_preempting():
+    """A request alone in a cache just big enough for it: drafts that do not fit are dropped."""
+    class AlwaysEight:
+        name = "always_eight"
+
+        @zoo.hookimpl
+        def zoo_decoding_propose(self, requests):
+            return {r.request_id: zoo.DraftTree.chain([5] * 8) for r in requests}
+
+    prompt, params = list(range(30)), SamplingParams(max_new_tokens=10, ignore_eos=True)
+    llm = LLM(plugins=[AlwaysEight()], block_size=4, num_kv_blocks=10)  # 40 slots: prompt + output only
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == LLM().generate([prompt], params)[0].token_ids
+    assert llm.engine.scheduler.num_preemptions == 0

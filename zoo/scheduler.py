@@ -68,6 +68,9 @@ class Scheduler:
                 draft = None
             entry = ScheduledRequest(request, request.num_computed_tokens, num_tokens, draft)
             while not self.blocks.ensure_slots(request, entry.start + entry.num_query_tokens):
+                if entry.draft is not None:  # drafts are optional: drop them before preempting anyone
+                    entry.draft = None
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
