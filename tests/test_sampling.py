@@ -162,10 +162,36 @@ def test_stream_yields_tokens_in_order():
     params = SamplingParams(max_new_tokens=6)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     seen = [[] for _ in prompts]
+    texts = ["" for _ in prompts]
     finished = []
     for event in llm.stream(prompts, params):
         seen[event.index] += event.token_ids
+        texts[event.index] += event.text
         if event.finished:
             finished.append(event.index)
             assert event.output.token_ids == seen[event.index]
+            assert event.output.text == texts[event.index]
     assert seen == expected and sorted(finished) == [0, 1, 2]
+
+
+def test_stream_text_deltas_hold_back_incomplete_characters():
+    """Byte tokenizer: "é" and "€" span several tokens; no delta shows half a character."""
+    from zoo import hookimpl
+
+    forced = list("éa€b".encode())
+
+    class Force:
+        name = "force"
+
+        @hookimpl
+        def zoo_logits_process(self, logits, requests, histories):
+            for row, request, history in zip(logits, requests, histories):
+                step = len(history) - len(request.prompt_token_ids)
+                keep = row[forced[step]].clone()
+                row.fill_(float("-inf"))
+                row[forced[step]] = keep
+
+    llm = LLM(plugins=[Force()])
+    params = SamplingParams(max_new_tokens=len(forced))
+    pieces = [e.text for e in llm.stream(["x"], params)]
+    assert pieces == ["", "é", "a", "", "", "€", "b"]

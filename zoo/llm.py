@@ -44,6 +44,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None = None
     output: RequestOutput | None = field(default=None, repr=False)  # set when finished
+    text: str = ""  # the text these tokens add (held back while a character is still incomplete)
 
 
 class LLM:
@@ -123,8 +124,14 @@ class LLM:
         for i, r in enumerate(requests):
             if r.is_finished:  # rejected up front
                 yield TokenEvent(i, [], True, r.finish_reason, self.output_of(r))
+        sent: dict[int, int] = {}  # characters of each request's text already yielded
         while self.engine.has_work():
             for request, tokens in self.engine.step():
                 done = request.is_finished
-                yield TokenEvent(index[request.request_id], tokens, done, request.finish_reason,
-                                 self.output_of(request) if done else None)
+                output = self.output_of(request) if done else None
+                text = output.text if done else self.tokenizer.decode(request.output_token_ids)
+                if not done and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+                    text = text[:sent.get(request.request_id, 0)]
+                delta = text[sent.get(request.request_id, 0):]
+                sent[request.request_id] = len(text)
+                yield TokenEvent(index[request.request_id], tokens, done, request.finish_reason, output, delta)
