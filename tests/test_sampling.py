@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, prompt_set
-from zoo import LLM, SamplingParams
+from zoo import LLM, SamplingParams, hookimpl
 from zoo.request import Request
 from zoo.sampler import Sampler
 
@@ -174,24 +174,37 @@ def test_stream_yields_tokens_in_order():
     assert seen == expected and sorted(finished) == [0, 1, 2]
 
 
+class Force:
+    """Forces the tokens of ``forced`` one after the other (a test plugin)."""
+
+    name = "force"
+
+    def __init__(self, forced):
+        self.forced = forced
+
+    @hookimpl
+    def zoo_logits_process(self, logits, requests, histories):
+        for row, request, history in zip(logits, requests, histories):
+            token = self.forced[len(history) - len(request.prompt_token_ids)]
+            keep = row[token].clone()
+            row.fill_(float("-inf"))
+            row[token] = keep
+
+
 def test_stream_text_deltas_hold_back_incomplete_characters():
     """Byte tokenizer: "é" and "€" span several tokens; no delta shows half a character."""
-    from zoo import hookimpl
-
     forced = list("éa€b".encode())
-
-    class Force:
-        name = "force"
-
-        @hookimpl
-        def zoo_logits_process(self, logits, requests, histories):
-            for row, request, history in zip(logits, requests, histories):
-                step = len(history) - len(request.prompt_token_ids)
-                keep = row[forced[step]].clone()
-                row.fill_(float("-inf"))
-                row[forced[step]] = keep
-
-    llm = LLM(plugins=[Force()])
+    llm = LLM(plugins=[Force(forced)])
     params = SamplingParams(max_new_tokens=len(forced))
     pieces = [e.text for e in llm.stream(["x"], params)]
     assert pieces == ["", "é", "a", "", "", "€", "b"]
+
+
+def test_stream_never_shows_text_a_stop_string_cuts():
+    llm = LLM(plugins=[Force(list(b"xaby"))])
+    params = SamplingParams(max_new_tokens=4, stop=["ab"])
+    events = list(llm.stream(["q"], params))
+    assert [e.text for e in events] == ["x", "", ""]
+    assert events[-1].output.text == "x" and events[-1].finish_reason == "stop"
+
+

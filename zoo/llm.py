@@ -47,6 +47,12 @@ class TokenEvent:
     text: str = ""  # the text these tokens add (held back while a character is still incomplete)
 
 
+def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that begins one of ``stops``."""
+    return max((k for stop in stops for k in range(1, min(len(stop), len(text)) + 1)
+                if stop.startswith(text[-k:])), default=0)
+
+
 class LLM:
     """Generate with zoo from Python.
 
@@ -132,6 +138,8 @@ class LLM:
                 text = output.text if done else self.tokenizer.decode(request.output_token_ids)
                 if not done and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
                     text = text[:sent.get(request.request_id, 0)]
+                if not done:  # hold back what may be the start of a stop string: it would be cut later
+                    text = text[:len(text) - _stop_prefix_overlap(text, request.params.stop)]
                 delta = text[sent.get(request.request_id, 0):]
                 sent[request.request_id] = len(text)
                 yield TokenEvent(index[request.request_id], tokens, done, request.finish_reason, output, delta)
