@@ -94,15 +94,18 @@ def test_random_draft_trees_keep_greedy_tokens(alone, trial):
     assert llm.engine.blocks.num_used_blocks == 0
 
 
+class AlwaysEight:
+    """Proposes eight draft tokens for every decoding request."""
+
+    name = "always_eight"
+
+    @zoo.hookimpl
+    def zoo_decoding_propose(self, requests):
+        return {r.request_id: zoo.DraftTree.chain([5] * 8) for r in requests}
+
+
 def test_drafts_never_run_past_the_model_length():
     """GPT-2's learned positions end at n_positions; drafts near the end must be cut, not crash."""
-    class AlwaysEight:
-        name = "always_eight"
-
-        @zoo.hookimpl
-        def zoo_decoding_propose(self, requests):
-            return {r.request_id: zoo.DraftTree.chain([5] * 8) for r in requests}
-
     llm = LLM(model="gpt2", overrides=["model.embedded.n_positions=48"], plugins=[AlwaysEight()])
     plain = LLM(model="gpt2", overrides=["model.embedded.n_positions=48"])
     prompt = list(range(40))
@@ -114,13 +117,6 @@ def test_drafts_never_run_past_the_model_length():
 
 def test_drafts_are_dropped_rather_than_preempting():
     """A request alone in a cache just big enough for it: drafts that do not fit are dropped."""
-    class AlwaysEight:
-        name = "always_eight"
-
-        @zoo.hookimpl
-        def zoo_decoding_propose(self, requests):
-            return {r.request_id: zoo.DraftTree.chain([5] * 8) for r in requests}
-
     prompt, params = list(range(30)), SamplingParams(max_new_tokens=10, ignore_eos=True)
     llm = LLM(plugins=[AlwaysEight()], block_size=4, num_kv_blocks=10)  # 40 slots: prompt + output only
     out = llm.generate([prompt], params)[0]
