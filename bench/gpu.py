@@ -168,6 +168,16 @@ def run_transformers(folder, prompts64, zoo64_tokens, requests) -> dict:
     result = {"version": transformers.__version__}
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(prompts64, device="cuda")
+    try:  # workload 1 for scale: eager generate, batch 1
+        one = ids[:1]
+        with torch.inference_mode():
+            model.generate(one, do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=0)
+            t_one, _ = timed(lambda: model.generate(one, attention_mask=torch.ones_like(one), do_sample=False,
+                                                    max_new_tokens=256, min_new_tokens=256, pad_token_id=0))
+        result["eager_b1"] = {"full_s": t_one, "e2e_tok_s": 256 / t_one}
+        print(f"transformers eager b1: {256 / t_one:.1f} tok/s end-to-end", flush=True)
+    except Exception as exc:  # noqa: BLE001 - report, keep the rest
+        result["eager_b1"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
     def static(new_tokens):
         with torch.inference_mode():
@@ -212,6 +222,10 @@ def write_reports(record: dict, out: Path) -> None:
     if hf:
         static = hf.get("static_b64", {})
         batch = hf.get("generate_batch", {})
+        eager = hf.get("eager_b1", {})
+        if "e2e_tok_s" in eager:
+            lines.append(f"transformers {hf['version']} eager generate, batch 1: {eager['e2e_tok_s']:.1f} tok/s "
+                         f"end-to-end; zoo/transformers {sweep[1]['e2e_tok_s'] / eager['e2e_tok_s']:.1f}x.")
         if "e2e_tok_s" in static:
             lines.append(f"transformers {hf['version']} static-cache compiled generate, batch 64: "
                          f"{static['e2e_tok_s']:.0f} tok/s end-to-end; zoo/transformers "
@@ -219,7 +233,7 @@ def write_reports(record: dict, out: Path) -> None:
         if "output_tok_s" in batch:
             lines.append(f"transformers generate_batch: {batch['output_tok_s']:.0f} output tok/s; zoo/transformers "
                          f"{off['output_tok_s'] / batch['output_tok_s']:.2f}x.")
-        for name, r in (("static", static), ("generate_batch", batch)):
+        for name, r in (("eager batch 1", eager), ("static", static), ("generate_batch", batch)):
             if "error" in r:
                 lines.append(f"transformers {name} failed: {r['error']}")
     (out / "gpu.md").write_text("\n".join(lines) + "\n")
