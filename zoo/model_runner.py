@@ -328,7 +328,6 @@ class ModelRunner:
         buf["token_query_index"][pad] = 0
         buf["token_cache_index"][pad] = 0
         buf["tree_bits"][pad] = -1
-        buf["logits_indices"][pad] = torch.arange(real, size, device=self.device)
         buf["block_tables"][pad, 0] = self.scratch_block
         buf["context_lens"][pad] = 1
         buf["draft_start"][pad] = 1
