@@ -130,6 +130,7 @@ def main(argv=None) -> int:
         record["zoo_kv_blocks"] = engine.num_blocks
         record["zoo_profile_peak_GiB"] = (engine.profile_peak_bytes or 0) / 2**30
         record["zoo_cuda_graphs"] = engine.uses_cuda_graphs
+        record["zoo_fused_ops"] = engine.uses_fused_ops
         print(f"zoo ready in {t_load:.1f} s: {engine.num_blocks} KV blocks, step peak "
               f"{record['zoo_profile_peak_GiB']:.2f} GiB, graphs {engine.uses_cuda_graphs}", flush=True)
         vocab = SHAPE["vocab_size"]

@@ -10,6 +10,7 @@ import torch
 from zoo.block_manager import BlockManager
 from zoo.errors import RequestError, ZooError
 from zoo.loader import LoadedModel, build_embedded, load_checkpoint
+from zoo import fused_ops
 from zoo.model_runner import ModelRunner, RunnerLimits
 from zoo.plugins import load_plugins
 from zoo.request import Request
@@ -68,6 +69,9 @@ class Engine:
         self.model, self.description, self.tokenizer = loaded.model, loaded.description, loaded.tokenizer
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
         self.model.fuse_projections()  # after plugins: layers they wrapped stay unfused
+        self.uses_fused_ops = (self.device.type == "cuda" and fused_ops.available()
+                               and bool(runtime.get("fused_ops", True)))
+        self.model.use_fused_ops(self.uses_fused_ops)
 
         self.max_model_len = min(self.description.max_position, runtime.get("max_model_len") or 1 << 62)
         self.block_size = int(runtime["block_size"])

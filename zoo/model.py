@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import fused_ops
 from zoo.description import ModelDescription
 
 
@@ -48,11 +49,30 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = False  # set by DecoderModel.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, cast back, then scale: the order HF's Llama uses.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if self.fused:
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return add_then_norm(self, x, residual)
+
+
+def add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    """``(norm(x + residual), x + residual)``; a residual of None adds nothing."""
+    summed = x if residual is None else x + residual
+    return norm(summed), summed
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    """The residual add and the norm after it, in one kernel where the norm has one (RMSNorm on GPU)."""
+    if isinstance(norm, RMSNorm):
+        return norm.add_forward(x, residual)
+    return add_then_norm(norm, x, residual)
 
 
 def make_norm(desc: ModelDescription) -> nn.Module:
@@ -98,6 +118,10 @@ class Rotary(nn.Module):
     tables once per forward pass, ``forward`` applies them to q and k.
     """
 
+    # The tables are (cos, sin) of shape [T, 1, head_dim], applied as x*cos + rotate_half(x)*sin, so the
+    # fused GPU kernel may apply them in place of ``forward``. A subclass that rotates differently sets False.
+    rotate_half_tables = True
+
     def __init__(self, desc: ModelDescription):
         super().__init__()
         self.description = desc
@@ -121,15 +145,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write this step's keys/values into the cache, then attend over it.
-
-    q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, blocks, block_size, Hkv, D].
-    """
+def write_cache(k, v, kv_cache, slot_mapping) -> None:
+    """k, v: [T, Hkv, D] into kv_cache [2, blocks, block_size, Hkv, D] at the flat slots."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attend over the cache, which already holds this step's keys/values.
+
+    q: [T, H, D]; kv_cache: [2, blocks, block_size, Hkv, D].
+    """
+    head_dim = q.shape[2]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    num_kv_heads = key_cache.shape[2]
     if meta.use_decode_kernel:
         from zoo.triton_attention import paged_decode_attention
 
@@ -190,6 +220,7 @@ class Attention(nn.Module):
         self.scale = desc.attn_scale or 1.0 / math.sqrt(desc.head_dim)
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
+        self.fused = False  # set by DecoderModel.use_fused_ops
 
     def fuse_projections(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -205,10 +236,16 @@ class Attention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if rope is not None:
-            rotary, tables = rope
-            q, k = rotary(q, k, tables)
-        out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+        rotary, tables = rope if rope is not None else (None, None)
+        if self.fused and (rotary is None or rotary.rotate_half_tables):
+            cos, sin = (tables[0][:, 0], tables[1][:, 0]) if rotary is not None else (None, None)
+            q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
+                                               meta.slot_mapping)
+        else:
+            if rotary is not None:
+                q, k = rotary(q, k, tables)
+            write_cache(k, v, self.kv_cache, meta.slot_mapping)
+        out = paged_attention(q, self.kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -221,6 +258,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(desc.intermediate_size, desc.hidden_size, bias=desc.mlp_bias)
         self.act = ACTIVATIONS[desc.activation]
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections
+        self.fused = False  # set by DecoderModel.use_fused_ops
 
     def fuse_projections(self) -> None:
         if self.gate_proj is not None:
@@ -228,6 +266,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
+            if self.fused and self.act is F.silu:
+                return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         if self.gate_proj is not None:
@@ -244,14 +284,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(desc)
         self.residual_scale = desc.residual_scale
 
-    def forward(self, hidden, rope, meta):
-        normed = self.input_layernorm(hidden)
+    def forward(self, hidden, residual, rope, meta):
+        """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
+        normed, hidden = add_norm(self.input_layernorm, hidden, residual)
         # residual_scale != 1 keeps the normalised input as the residual (GLM's alpha scaling)
         residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
-        hidden = residual + self.self_attn(normed, rope, meta)
-        normed = self.post_attention_layernorm(hidden)
+        normed, hidden = add_norm(self.post_attention_layernorm, self.self_attn(normed, rope, meta), residual)
         residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
-        return residual + self.mlp(normed)
+        return self.mlp(normed), residual
 
 
 class Backbone(nn.Module):
@@ -283,15 +323,26 @@ class DecoderModel(nn.Module):
             self.hooks.zoo_embed_modify(hidden=hidden, batch=batch, buffers=buffers)
         rotary = self.model.rotary
         rope = (rotary, rotary.prepare(positions, hidden.dtype)) if rotary is not None else None
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, rope, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, meta)
+        return add_norm(self.model.norm, hidden, residual)[0]
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single matrix products where the layers are still plain."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+
+    def use_fused_ops(self, on: bool = True) -> None:
+        """Run RMSNorm(+add), rotary with the cache write and SiLU-and-mul as Triton kernels (GPU)."""
+        desc = self.description
+        head_ok = desc.head_dim % 2 == 0 and (desc.head_dim // 2) & (desc.head_dim // 2 - 1) == 0
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fused = on
+            elif isinstance(module, Attention):
+                module.fused = on and head_ok
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

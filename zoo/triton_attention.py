@@ -138,7 +138,8 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
     num_splits = -(-block_tables.shape[1] // BLOCKS_PER_SPLIT)
     out_partial = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=q.device)
-    q = q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     _paged_decode_kernel[(tokens, kv_heads, num_splits)](
         q, key_cache, value_cache, out_partial, lse_partial,
         block_tables, context_lens, token_seq, query_cache_index, draft_start, tree_bits,

@@ -1,0 +1,91 @@
+"""The fused Triton kernels against the PyTorch ops they replace.
+
+On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1);
+on a GPU run of the suite they run compiled. The last test runs a whole model
+through the engine with the kernels on and checks it against transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from conftest import hf_greedy, prompt_set  # noqa: E402
+from zoo import LLM, SamplingParams, fused_ops  # noqa: E402
+from zoo.description import ModelDescription  # noqa: E402
+from zoo.model import RMSNorm, Rotary, add_then_norm, write_cache  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter computes in numpy float32, so float32 agrees to rounding; bf16 is checked on the GPU run,
+# where it agrees to one bf16 ulp (Triton's and PyTorch's reductions sum in different orders).
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def tolerance(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_add_then_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=g).to(DEVICE, dtype)  # 96: not a power of two, so the row is masked
+    residual = torch.randn(5, 96, generator=g).to(DEVICE, dtype) if with_residual else None
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+        expected, expected_sum = add_then_norm(norm, x, residual)
+        out, summed = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", [True, False])
+def test_rope_and_cache_write_match_rotary_then_index_copy(dtype, rotary):
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, tokens, bs = 6, 2, 16, 7, 4  # 6 heads: padded to 8 inside the kernel
+    desc = ModelDescription("x", 50, heads * head_dim, 1, heads, kv_heads, 64, rope_theta=1000.0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    # views into one fused projection's output, as the model hands them over
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.tensor([[3, 0, 17, 5, 9, 40, 2]], device=DEVICE)
+    slots = torch.tensor([5, 0, 13, 22, 7, 30, 31], device=DEVICE)
+    cache = torch.zeros(2, 8, bs, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    expected_cache = cache.clone()
+    rope = Rotary(desc).to(DEVICE)
+    tables = rope.prepare(positions, dtype)
+    if rotary:
+        expected_q, expected_k = rope(q, k, tables)
+    else:
+        expected_q, expected_k = q.clone(), k
+    write_cache(expected_k, v, expected_cache, slots)
+    cos, sin = (tables[0][:, 0], tables[1][:, 0]) if rotary else (None, None)
+    out = fused_ops.rope_and_write_cache(q, k, v, cos, sin, cache[0], cache[1], slots)
+    assert out.data_ptr() == qkv.data_ptr()  # q is rotated in place
+    torch.testing.assert_close(out, expected_q, **tolerance(dtype))
+    torch.testing.assert_close(cache, expected_cache, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_eager(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(3, 2 * 1100, generator=g).to(DEVICE, dtype) * 4  # 1100: two column blocks, masked
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name):
+    """Whole forward passes (prefill in chunks, then decode) with every fused kernel on."""
+    folder, model = checkpoints[name]
+    llm = LLM(str(folder), max_num_batched_tokens=16)
+    llm.engine.model.use_fused_ops(True)
+    prompts = prompt_set()[:3]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, prompt, 6)[0]

@@ -1,0 +1,147 @@
+"""Fused element-wise kernels for the GPU path, in Triton.
+
+A decode step at small batch is a chain of short kernels; unfused, RMSNorm,
+rotary, the cache write and SiLU-and-mul were about 20 launches per layer on
+the H200 (``bench/results/gpu/profile_step_latest.txt``). Each kernel here
+replaces several of them and rounds at the same points as the PyTorch ops it
+replaces, so bf16 results match the eager path bit for bit except where
+Triton's ``exp``/``cos`` differ from PyTorch's by an ulp before rounding.
+
+The model uses them only when the runner turns them on (CUDA with triton);
+on CPU the PyTorch ops run. Tests check each kernel against those ops in
+Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zoo.triton_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(X, Residual, Weight, Out, Summed, stride_x, stride_r, stride_o, stride_s, n_cols, eps,
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        valid = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=valid, other=0.0)
+        if HAS_RESIDUAL:
+            # The residual add rounds to the model dtype before the norm reads it, as in eager PyTorch.
+            x = (x.to(tl.float32) + tl.load(Residual + row * stride_r + cols, mask=valid, other=0.0).to(tl.float32))
+            x = x.to(Summed.dtype.element_ty)
+            tl.store(Summed + row * stride_s + cols, x, mask=valid)
+        xf = x.to(tl.float32)
+        variance = tl.sum(xf * xf, 0) / n_cols
+        normed = (xf * tl.rsqrt(variance + eps)).to(Out.dtype.element_ty)
+        weight = tl.load(Weight + cols, mask=valid, other=0.0)
+        tl.store(Out + row * stride_o + cols,
+                 (normed.to(tl.float32) * weight.to(tl.float32)).to(Out.dtype.element_ty), mask=valid)
+
+    @triton.jit
+    def _rotate_half(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
+        # x*cos + rotate_half(x)*sin with rotate_half(x) = (-x2, x1); each product rounds like the eager ops.
+        out1 = (x1 * c1).to(DTYPE).to(tl.float32) + (-x2 * s1).to(DTYPE).to(tl.float32)
+        out2 = (x2 * c2).to(DTYPE).to(tl.float32) + (x1 * s2).to(DTYPE).to(tl.float32)
+        return out1.to(DTYPE), out2.to(DTYPE)
+
+    @triton.jit
+    def _rope_cache_write_kernel(Q, K, V, Cos, Sin, KCache, VCache, SlotMapping,
+                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                 stride_ct, stride_cs, stride_ch,
+                                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                                 HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+                                 HALF: tl.constexpr, HAS_ROPE: tl.constexpr):
+        token = tl.program_id(0)
+        dtype = Q.dtype.element_ty
+        offs_d = tl.arange(0, HALF)
+        offs_h = tl.arange(0, HEADS_PAD)
+        offs_kh = tl.arange(0, KV_HEADS_PAD)
+        q_mask = (offs_h < NUM_HEADS)[:, None]
+        kv_mask = (offs_kh < NUM_KV_HEADS)[:, None]
+        k_ptr = K + token * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
+        k1 = tl.load(k_ptr, mask=kv_mask, other=0.0)
+        k2 = tl.load(k_ptr + HALF, mask=kv_mask, other=0.0)
+        if HAS_ROPE:
+            c1 = tl.load(Cos + token * stride_ct + offs_d).to(tl.float32)[None, :]
+            c2 = tl.load(Cos + token * stride_ct + HALF + offs_d).to(tl.float32)[None, :]
+            s1 = tl.load(Sin + token * stride_ct + offs_d).to(tl.float32)[None, :]
+            s2 = tl.load(Sin + token * stride_ct + HALF + offs_d).to(tl.float32)[None, :]
+            q_ptr = Q + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+            q1 = tl.load(q_ptr, mask=q_mask, other=0.0).to(tl.float32)
+            q2 = tl.load(q_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
+            q1, q2 = _rotate_half(q1, q2, c1, c2, s1, s2, dtype)
+            tl.store(q_ptr, q1, mask=q_mask)
+            tl.store(q_ptr + HALF, q2, mask=q_mask)
+            k1, k2 = _rotate_half(k1.to(tl.float32), k2.to(tl.float32), c1, c2, s1, s2, dtype)
+        slot = tl.load(SlotMapping + token)
+        cache_offsets = slot * stride_cs + offs_kh[:, None] * stride_ch + offs_d[None, :]
+        tl.store(KCache + cache_offsets, k1.to(KCache.dtype.element_ty), mask=kv_mask)
+        tl.store(KCache + cache_offsets + HALF, k2.to(KCache.dtype.element_ty), mask=kv_mask)
+        v_ptr = V + token * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
+        tl.store(VCache + cache_offsets, tl.load(v_ptr, mask=kv_mask, other=0.0).to(VCache.dtype.element_ty),
+                 mask=kv_mask)
+        tl.store(VCache + cache_offsets + HALF,
+                 tl.load(v_ptr + HALF, mask=kv_mask, other=0.0).to(VCache.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit
+    def _silu_mul_kernel(GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        valid = cols < n_cols
+        dtype = Out.dtype.element_ty
+        gate = tl.load(GateUp + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
+        up = tl.load(GateUp + row * stride_g + n_cols + cols, mask=valid, other=0.0).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds before the product
+        tl.store(Out + row * stride_o + cols, (activated * up).to(dtype), mask=valid)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else x
+    _add_rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, summed,
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), summed.stride(0), cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
+    return out, summed
+
+
+def rope_and_write_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping) -> torch.Tensor:
+    """Rotate q (in place) and k by the rotate-half tables, write k and v to the cache slots; returns q.
+
+    q: [T, H, D], k, v: [T, Hkv, D] (views with unit last stride); cos, sin: [T, D] or None (no rotary);
+    caches: [blocks, block_size, Hkv, D].
+    """
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    flat_k = key_cache.view(-1, kv_heads, head_dim)
+    flat_v = value_cache.view(-1, kv_heads, head_dim)
+    has_rope = cos is not None
+    _rope_cache_write_kernel[(tokens,)](
+        q, k, v, cos if has_rope else q, sin if has_rope else q, flat_k, flat_v, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
+        NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(heads),
+        KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HALF=head_dim // 2, HAS_ROPE=has_rope)
+    return q
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate_up, out, gate_up.stride(0), out.stride(0), cols,
+                                                        BLOCK=block)
+    return out
