@@ -13,7 +13,7 @@ from zoo.loader import LoadedModel, build_embedded, load_checkpoint
 from zoo import fused_ops
 from zoo.model_runner import ModelRunner, RunnerLimits
 from zoo.plugins import load_plugins
-from zoo.request import Request
+from zoo.request import Request, TokenHistories
 from zoo.sampler import Sampler
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest, Scheduler
@@ -210,7 +210,7 @@ class Engine:
         if plain:
             requests = [scheduled[i].request for i in plain]
             rows = output.logits[[batch.logits_rows[i][0] for i in plain]]
-            chosen = dict(zip(plain, self.sampler.select(rows, requests, [r.token_ids for r in requests])))
+            chosen = dict(zip(plain, self.sampler.select(rows, requests, TokenHistories(requests))))
         for i, (entry, rows) in enumerate(zip(scheduled, batch.logits_rows)):
             new_tokens = self._advance(entry, output.logits, rows, chosen.get(i))
             if new_tokens:

@@ -194,7 +194,8 @@ def zoo_logits_process(logits, requests, histories, engine):
     entry of ``requests``; ``histories[i]`` is the token sequence row ``i``
     follows (prompt, generated tokens, and any draft tokens accepted earlier
     in the same step, so it can be longer than ``request.token_ids``).
-    Returns nothing.
+    ``histories`` is a sequence that builds each list when it is read, so a
+    plugin that needs no history costs nothing per row. Returns nothing.
     """
 
 

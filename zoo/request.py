@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,3 +106,22 @@ class Request:
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.error = error
+
+
+class TokenHistories(Sequence):
+    """``histories[i]`` is ``requests[i].token_ids``, built only when read.
+
+    Most steps run no processor that looks at histories; building every
+    request's full token list each step cost more than sampling at batch 64.
+    """
+
+    def __init__(self, requests: list[Request]):
+        self.requests = requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [r.token_ids for r in self.requests[i]]
+        return self.requests[i].token_ids

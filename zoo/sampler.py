@@ -57,8 +57,13 @@ class Sampler:
     def process(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> torch.Tensor:
         """The requests' processors, then the plugins', on a copy of raw ``logits``."""
         logits = logits.clone()
-        for row, request, history in zip(logits, requests, histories):
+        for i, request in enumerate(requests):
             params = request.params
+            generated = request.num_tokens - len(request.prompt_token_ids)  # before this row's drafts
+            if (params.repetition_penalty == 1.0 and not params.logit_bias
+                    and generated >= params.min_new_tokens):
+                continue  # nothing to apply: skip reading the history
+            row, history = logits[i], histories[i]
             if params.repetition_penalty != 1.0 and history:
                 seen = torch.tensor(sorted(set(history)), device=row.device)
                 values = row[seen]

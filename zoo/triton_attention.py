@@ -55,71 +55,75 @@ if triton is not None:
         seq = tl.load(TokenSeq + token)
         last = tl.load(QueryCacheIndex + token)
         visible = tl.minimum(last + 1, tl.load(ContextLens + seq))
-
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_s = tl.arange(0, BLOCK_SIZE)
-        heads = kv_head * GROUP + offs_g
-        group_mask = offs_g < GROUP
-        q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=group_mask[:, None], other=0.0)
-        if HAS_TREE:
-            draft_start = tl.load(DraftStart + seq)
-            bits = tl.load(TreeBits + token)
-
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         first_block = split * BLOCKS_PER_SPLIT
-        for i in range(BLOCKS_PER_SPLIT):
-            block_index = first_block + i
-            if block_index * BLOCK_SIZE < visible:
-                block = tl.load(BlockTables + seq * stride_bt + block_index)
-                kv_offsets = block * stride_kb + offs_s[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-                k = tl.load(KCache + kv_offsets)
-                v = tl.load(VCache + kv_offsets)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = s * scale
-                positions = block_index * BLOCK_SIZE + offs_s
-                valid = positions < visible
-                if HAS_TREE:
-                    offset = positions - draft_start
-                    in_tree = offset >= 0
-                    allowed = ((bits >> tl.minimum(tl.maximum(offset, 0), 63).to(tl.int64)) & 1) == 1
-                    valid = valid & (~in_tree | allowed)
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m - m_safe)
-                l = l * alpha + tl.sum(p, 1)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
-        l_safe = tl.where(l > 0, l, 1.0)
-        out = acc / l_safe[:, None]
-        lse = tl.where(l > 0, m + tl.log(l_safe), float("-inf"))
-        tl.store(OutPartial + token * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-                 out, mask=group_mask[:, None])
-        tl.store(LsePartial + token * stride_lt + heads * stride_lh + split, lse, mask=group_mask)
+        # Graphs launch splits for the longest context any sequence may have; past this token's
+        # context a split does nothing, and the merge skips it.
+        if first_block * BLOCK_SIZE < visible:
+            offs_g = tl.arange(0, GROUP_PAD)
+            offs_d = tl.arange(0, HEAD_DIM)
+            offs_s = tl.arange(0, BLOCK_SIZE)
+            heads = kv_head * GROUP + offs_g
+            group_mask = offs_g < GROUP
+            q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=group_mask[:, None], other=0.0)
+            if HAS_TREE:
+                draft_start = tl.load(DraftStart + seq)
+                bits = tl.load(TreeBits + token)
+
+            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+            for i in range(BLOCKS_PER_SPLIT):
+                block_index = first_block + i
+                if block_index * BLOCK_SIZE < visible:
+                    block = tl.load(BlockTables + seq * stride_bt + block_index)
+                    kv_offsets = (block * stride_kb + offs_s[:, None] * stride_ks + kv_head * stride_kh
+                                  + offs_d[None, :])
+                    k = tl.load(KCache + kv_offsets)
+                    v = tl.load(VCache + kv_offsets)
+                    if IEEE:
+                        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    else:
+                        s = tl.dot(q, tl.trans(k))
+                    s = s * scale
+                    positions = block_index * BLOCK_SIZE + offs_s
+                    valid = positions < visible
+                    if HAS_TREE:
+                        offset = positions - draft_start
+                        in_tree = offset >= 0
+                        allowed = ((bits >> tl.minimum(tl.maximum(offset, 0), 63).to(tl.int64)) & 1) == 1
+                        valid = valid & (~in_tree | allowed)
+                    s = tl.where(valid[None, :], s, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(s, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp(s - m_safe[:, None])
+                    alpha = tl.exp(m - m_safe)
+                    l = l * alpha + tl.sum(p, 1)
+                    if IEEE:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                    else:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    m = m_new
+            l_safe = tl.where(l > 0, l, 1.0)
+            out = acc / l_safe[:, None]
+            lse = tl.where(l > 0, m + tl.log(l_safe), float("-inf"))
+            tl.store(OutPartial + token * stride_ot + heads[:, None] * stride_oh + split * stride_os
+                     + offs_d[None, :], out, mask=group_mask[:, None])
+            tl.store(LsePartial + token * stride_lt + heads * stride_lh + split, lse, mask=group_mask)
 
 
 if triton is not None:
 
     @triton.jit
-    def _merge_splits_kernel(OutPartial, LsePartial, Out, num_splits,
+    def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
                              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
-                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
         token = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
-        valid = offs_s < num_splits
+        visible = tl.minimum(tl.load(QueryCacheIndex + token) + 1, tl.load(ContextLens + tl.load(TokenSeq + token)))
+        valid = offs_s * SPLIT_TOKENS < visible  # the splits the decode kernel wrote
         lse = tl.load(LsePartial + token * stride_lt + head * stride_lh + offs_s, mask=valid, other=float("-inf"))
         weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always sees a token, so the max is finite
         weights = weights / tl.sum(weights, 0)
@@ -155,8 +159,8 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
     # Merge the splits: weight each by its share of the total softmax mass.
     out = torch.empty_like(q)
     _merge_splits_kernel[(tokens, heads)](
-        out_partial, lse_partial, out, num_splits,
+        out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits))
+        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), SPLIT_TOKENS=BLOCKS_PER_SPLIT * block_size)
     return out
