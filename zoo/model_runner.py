@@ -175,6 +175,22 @@ class ModelRunner:
         for b, entry in enumerate(scheduled):
             request, draft = entry.request, entry.draft
             offsets.append(len(input_ids))
+            if entry.num_tokens == 1 and draft is None and not self.position_hooks:
+                # A plain decode token, the common case at large batch: the general path below, unrolled.
+                i = entry.start
+                logits_rows.append([len(logits_indices)] if entry.samples else [])
+                if entry.samples:
+                    logits_indices.append(len(input_ids))
+                input_ids.append(request.token_at(i))
+                positions[0].append(i)
+                tree_bits.append(-1)
+                slots.append(request.block_ids[i // bs] * bs + i % bs)
+                token_seq.append(b)
+                query_index.append(0)
+                cache_index_rows.append([i])
+                context_lens.append(i + 1)
+                draft_starts.append(i + 1)
+                continue
             committed = list(range(entry.start, entry.start + entry.num_tokens))
             tokens = request.token_slice(entry.start, entry.start + entry.num_tokens)
             cache_index = list(committed)

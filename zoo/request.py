@@ -85,6 +85,10 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, index: int) -> int:
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < prompt else self.output_token_ids[index - prompt]
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """``token_ids[start:end]`` without building the whole list."""
         prompt = len(self.prompt_token_ids)
