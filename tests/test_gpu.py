@@ -26,13 +26,14 @@ def test_graphs_and_kernel_match_transformers_in_float32(checkpoints, name):
         assert out.token_ids == hf_greedy(model, prompt, 12)[0]
 
 
-def test_graphs_on_and_off_give_identical_tokens_in_bfloat16(checkpoints):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_graphs_on_and_off_give_identical_tokens(checkpoints, dtype):
     folder, _ = checkpoints["llama"]
     prompts = prompt_set() * 3  # 18 requests: padded graph batch sizes
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     runs = {}
     for mode, kwargs in {"graphs": {}, "eager": {"enforce_eager": True}}.items():
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16", **kwargs)
+        llm = LLM(str(folder), device="cuda", dtype=dtype, **kwargs)
         assert llm.engine.uses_cuda_graphs == (mode == "graphs")
         runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs["graphs"] == runs["eager"]

@@ -39,6 +39,16 @@ class BlockManager:
     def _chain_hash(self, parent: int | None, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
 
+    @staticmethod
+    def _root_hash(request: Request, tokens: list[int]) -> int | None:
+        """The parent of a request's first block: none, or its whole bidirectional prefix.
+
+        Inside a bidirectional prefix every token's K/V depends on all of the prefix, so
+        two requests share such blocks only when their prefixes are equal in full.
+        """
+        n = request.bidirectional_prefix
+        return hash(("bidirectional", tuple(tokens[:n]))) if n else None
+
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         old = self.block_hash.pop(block, None)
@@ -63,7 +73,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         tokens = request.token_ids
-        parent = None
+        parent = self._root_hash(request, tokens)
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = self._chain_hash(parent, chunk)
@@ -107,11 +117,13 @@ class BlockManager:
         """Hash the request's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if full <= request.num_hashed_blocks:
+            return  # most steps: no block filled up, so skip building the token list
         tokens = request.token_ids
-        full = min(request.num_computed_tokens, len(tokens)) // self.block_size
         for i in range(request.num_hashed_blocks, full):
             block = request.block_ids[i]
-            parent = self.block_hash.get(request.block_ids[i - 1]) if i else None
+            parent = self.block_hash.get(request.block_ids[i - 1]) if i else self._root_hash(request, tokens)
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = self._chain_hash(parent, chunk)
             self.block_hash[block] = h

@@ -137,6 +137,11 @@ class Engine:
         self.hooks.zoo_request_admit(request=request, engine=self)
         if request.is_finished:  # a plugin rejected it while admitting
             return request
+        if request.bidirectional_prefix > self.scheduler.max_num_batched_tokens:
+            request.finish("error", f"the prompt's bidirectional context has {request.bidirectional_prefix} tokens, "
+                                    f"more than one step computes (runtime.max_num_batched_tokens="
+                                    f"{self.scheduler.max_num_batched_tokens}); raise it")
+            return request
         request.arrival_time = time.perf_counter()
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.scheduler.add(request)

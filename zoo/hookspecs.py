@@ -62,6 +62,19 @@ def zoo_weights_convert(description, name, tensor):
 
 
 @hookspec
+def zoo_model_build(model, description):
+    """Add modules whose weights the checkpoint holds, before the weights load.
+
+    Runs once, right after the generic model is built (its tensors not yet
+    allocated) and before the checkpoint is read: attach an extra embedding
+    table, a vision encoder, or replace ``model.model.rotary`` with a module
+    for another position layout. Check ``description.architecture`` first:
+    every plugin sees every model. Weights named after the added modules'
+    parameter paths load like the model's own. Returns nothing.
+    """
+
+
+@hookspec
 def zoo_model_modify(model, description, config):
     """Wrap or add modules after the model is built and loaded.
 
@@ -141,7 +154,8 @@ def zoo_step_positions(request, indices, description):
     tree depth ``d`` asks for index ``num_tokens - 1 + d``). Returns a list of
     ``description.position_rows`` lists, each ``len(indices)`` long, or
     ``None`` to leave it to the next plugin. firstresult; the core's default
-    is the index itself (one row).
+    is the index itself (one row). When no plugin answers for a request's
+    first step, the request keeps the default and is not asked about again.
     """
 
 
@@ -160,12 +174,14 @@ def zoo_step_prepare(batch, buffers):
 
 
 @hookspec
-def zoo_embed_modify(hidden, batch, buffers):
+def zoo_embed_modify(hidden, batch, buffers, model):
     """Change the input embeddings of a step in place.
 
     Runs inside the model's forward, after the token (and learned position)
     embeddings, before the first layer. ``hidden`` is ``[num_tokens,
-    hidden_size]``; write into it (virtual tokens, image features). Returns
+    hidden_size]``; write into it (virtual tokens, image features, a second
+    position embedding). ``model`` is the running :class:`zoo.model.DecoderModel`,
+    to reach modules added in ``zoo_model_build``. Returns
     nothing. On CUDA this hook is also recorded into the decode CUDA graphs,
     with ``batch=None``: read per-step data from ``buffers`` with tensor
     operations only, so that each replay sees the step's values.

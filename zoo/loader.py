@@ -83,6 +83,7 @@ def describe_model(hf_config: dict, hooks, where: str) -> ModelDescription:
 def build_empty_model(description: ModelDescription, hooks, dtype: torch.dtype, device: torch.device) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(description, hooks)
+        hooks.zoo_model_build(model=model, description=description)
     model = model.to(dtype=dtype).to_empty(device=device)
     _reset_computed_buffers(model, device)
     return model
@@ -199,6 +200,7 @@ def build_embedded(embedded: dict, hooks, dtype: torch.dtype, device: torch.devi
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(embedded.get("seed", 0)))
         model = DecoderModel(description, hooks)
+        hooks.zoo_model_build(model=model, description=description)
     model = model.to(device=device, dtype=dtype)
     _reset_computed_buffers(model, device)
     source = (f"embedded default {hf_config['architectures'][0]} (RANDOM-INIT weights, seed "

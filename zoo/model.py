@@ -125,19 +125,27 @@ class Rotary(nn.Module):
     def __init__(self, desc: ModelDescription):
         super().__init__()
         self.description = desc
-        self.register_buffer("inv_freq", rope_inverse_frequencies(desc), persistent=False)
+        self.register_buffer("inv_freq", self.inverse_frequencies(), persistent=False)
+
+    def inverse_frequencies(self) -> torch.Tensor:
+        return rope_inverse_frequencies(self.description)
 
     def reset_buffers(self, device) -> None:
-        self.inv_freq = rope_inverse_frequencies(self.description).to(device)
+        self.inv_freq = self.inverse_frequencies().to(device)
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[0].float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return rotate_half_tables(positions[0], self.inv_freq, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, tables):
         cos, sin = tables
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """(cos, sin), each ``[T, 1, 2 * len(inv_freq)]``, for one row of positions."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +328,7 @@ class DecoderModel(nn.Module):
         if self.model.embed_positions is not None:
             hidden = hidden + self.model.embed_positions(positions[0])
         if self.hooks is not None:
-            self.hooks.zoo_embed_modify(hidden=hidden, batch=batch, buffers=buffers)
+            self.hooks.zoo_embed_modify(hidden=hidden, batch=batch, buffers=buffers, model=self)
         rotary = self.model.rotary
         rope = (rotary, rotary.prepare(positions, hidden.dtype)) if rotary is not None else None
         residual = None

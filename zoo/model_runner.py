@@ -162,8 +162,10 @@ class ModelRunner:
 
     def _positions(self, request, indices: list[int]) -> list[list[int]]:
         rows = None
-        if self.position_hooks:  # most models take the default; skip a per-request no-op hook call
+        # Most requests take the default: once no plugin answered for a request, it is not asked again.
+        if self.position_hooks and request.plugin_positions is not False:
             rows = self.hooks.zoo_step_positions(request=request, indices=indices, description=self.description)
+            request.plugin_positions = rows is not None
         return rows if rows is not None else [list(indices)]
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
@@ -175,7 +177,8 @@ class ModelRunner:
         for b, entry in enumerate(scheduled):
             request, draft = entry.request, entry.draft
             offsets.append(len(input_ids))
-            if entry.num_tokens == 1 and draft is None and not self.position_hooks:
+            if (entry.num_tokens == 1 and draft is None and entry.start >= request.bidirectional_prefix
+                    and (request.plugin_positions is False or not self.position_hooks)):
                 # A plain decode token, the common case at large batch: the general path below, unrolled.
                 i = entry.start
                 logits_rows.append([len(logits_indices)] if entry.samples else [])
@@ -205,6 +208,12 @@ class ModelRunner:
                 tree_bits += [sum(1 << a for a in draft.ancestors(i)) for i in range(len(draft.tokens))]
             for row, values in zip(positions, self._positions(request, position_index)):
                 row.extend(values)
+            # What each token sees: cache entries up to its own index, or to the end of the
+            # bidirectional prefix for tokens inside it (all of which this step computes).
+            visible_until = cache_index
+            if entry.start < request.bidirectional_prefix:
+                last = request.bidirectional_prefix - 1
+                visible_until = [max(i, last) for i in cache_index]
             rows = []
             if entry.samples:
                 rows.append(len(input_ids) + entry.num_tokens - 1)
@@ -215,7 +224,7 @@ class ModelRunner:
             slots += [request.block_ids[i // bs] * bs + i % bs for i in cache_index]
             token_seq += [b] * len(tokens)
             query_index += range(len(tokens))
-            cache_index_rows.append(cache_index)
+            cache_index_rows.append(visible_until)
             context_lens.append(cache_index[-1] + 1)
             draft_starts.append(entry.start + entry.num_tokens if draft is not None else cache_index[-1] + 1)
 

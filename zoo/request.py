@@ -77,6 +77,10 @@ class Request:
     output_text: str = ""
     generator: torch.Generator | None = None  # made by the sampler on first use when params.seed is set
     plugin_state: dict[str, Any] = field(default_factory=dict)
+    # Tokens 0..n-1 attend to each other in both directions (GLM's context); set by a plugin at
+    # admission. The scheduler computes them in one step, and their cached blocks are keyed by all n.
+    bidirectional_prefix: int = 0
+    plugin_positions: bool | None = None  # did a plugin give this request's positions (None: not asked yet)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -86,6 +86,10 @@ class Scheduler:
             if not request.block_ids:
                 self.blocks.allocate_cached_prefix(request)
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_computed_tokens + num_tokens < request.bidirectional_prefix:
+                # A bidirectional prefix is computed in one step: wait for a step with room for all of it.
+                self._reset(request)
+                break
             if not self.blocks.ensure_slots(request, request.num_computed_tokens + num_tokens):
                 # A waiting request holds no blocks: the ones it matched stay cached for its next try,
                 # while running requests (or the preempted request ahead of it) can use them now.

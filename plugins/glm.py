@@ -1,0 +1,150 @@
+"""GLM-10B (``GLMModel``): 2-D positions through learned position and block-position embeddings.
+
+GLM reads a prompt as a context, whose tokens see each other in both
+directions, followed by ``<sop>`` that opens the generated block. Every token
+has two position ids: row 1 counts through the context and then stays at the
+mask position; row 2 is 0 in the context and counts 1, 2, ... from ``<sop>``
+on. This module also holds that rule for ChatGLM-6B (``zoo_plugins.chatglm``),
+which differs only in where the mask position comes from.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from zoo import ModelDescription, ZooError, hookimpl
+
+ARCHITECTURE = "GLMModel"
+MASK_TOKEN_IDS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
+GLM_ARCHITECTURES = {"GLMModel", "ChatGLMModel"}
+
+
+def two_d_positions(prompt_len: int, mask_position: int, indices) -> list[list[int]]:
+    """Position rows of tokens ``indices`` of a GLM request whose prompt has ``prompt_len`` tokens.
+
+    The context is the prompt without its last token (``<sop>``). A token at index ``i`` in the
+    context has ``(i, 0)``; from ``<sop>`` on, ``(mask_position, i - prompt_len + 2)``.
+    """
+    context = prompt_len - 1
+    rows = ([], [])
+    for i in indices:
+        rows[0].append(i if i < context else mask_position)
+        rows[1].append(0 if i < context else i - context + 1)
+    return [rows[0], rows[1]]
+
+
+def glm_mask_position(prompt_ids, max_sequence_length: int) -> int:
+    """The first mask token of the prompt, else the model's maximum context length."""
+    return next((i for i, t in enumerate(prompt_ids) if t in MASK_TOKEN_IDS), max_sequence_length)
+
+
+def describe(hf: dict) -> ModelDescription:
+    if hf.get("relative_encoding"):
+        raise ZooError("GLM with relative_encoding=true is not supported")
+    if not hf.get("block_position_encoding", True):
+        raise ZooError("GLM without block_position_encoding is not supported (zoo runs the 2-D layout)")
+    hidden = hf["hidden_size"]
+    length = hf["max_sequence_length"]
+    return ModelDescription(
+        architecture=ARCHITECTURE,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_attention_heads"],
+        intermediate_size=4 * hidden,
+        max_position=length + 1,  # both position tables have one row past the context length
+        norm="layer",
+        norm_bias=True,
+        norm_eps=hf.get("layernorm_epsilon", 1e-5),
+        activation="gelu_tanh",
+        gated_mlp=False,
+        position="learned",
+        position_rows=2,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        tied_embeddings=True,  # GLM's output layer is its word embedding
+        eos_token_ids=[t for t in [hf.get("eos_token_id")] if t is not None],
+        extra={"max_sequence_length": length},
+    )
+
+
+_LAYER_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+                "attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
+                "mlp.dense_4h_to_h": "mlp.down_proj"}
+_TOP_NAMES = {"word_embeddings.weight": "model.embed_tokens.weight",
+              "transformer.position_embeddings.weight": "model.embed_positions.weight",
+              "transformer.block_position_embeddings.weight": "model.embed_block_positions.weight",
+              "transformer.final_layernorm.weight": "model.norm.weight",
+              "transformer.final_layernorm.bias": "model.norm.bias"}
+
+
+@hookimpl
+def zoo_model_architectures():
+    return {ARCHITECTURE: describe}
+
+
+@hookimpl
+def zoo_weights_convert(description, name, tensor):
+    if description.architecture != ARCHITECTURE:
+        return None
+    name = name.removeprefix("glm.")
+    if name in _TOP_NAMES:
+        return [(_TOP_NAMES[name], tensor)]
+    if not name.startswith("transformer.layers."):
+        return []
+    layer, rest = name.removeprefix("transformer.layers.").split(".", 1)
+    module, kind = rest.rsplit(".", 1)
+    prefix = f"model.layers.{layer}."
+    if module == "attention.query_key_value":  # q, k and v one after the other
+        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", tensor.chunk(3, dim=0))]
+    if module in _LAYER_NAMES:
+        return [(f"{prefix}{_LAYER_NAMES[module]}.{kind}", tensor)]
+    return []
+
+
+@hookimpl
+def zoo_model_build(model, description):
+    if description.architecture == ARCHITECTURE:
+        model.model.embed_block_positions = nn.Embedding(description.max_position, description.hidden_size)
+
+
+@hookimpl
+def zoo_embed_modify(hidden, buffers, model):
+    table = getattr(model.model, "embed_block_positions", None)
+    if table is not None:  # only a GLM model has one; row 2 of the positions indexes it
+        hidden += table(buffers["positions"][1])
+
+
+@hookimpl
+def zoo_request_fields():
+    return ["position_ids"]
+
+
+@hookimpl
+def zoo_request_validate(request, description):
+    if "position_ids" in request.extras:
+        if description.architecture in GLM_ARCHITECTURES:
+            return ("GLM models take only their own 2-D position layout (context 0..L-2, then the mask "
+                    "position; block positions 0, then 1, 2, ... from <sop>): remove position_ids")
+        return f"explicit position_ids are not supported for {description.architecture}"
+    if description.architecture in GLM_ARCHITECTURES and len(request.prompt_token_ids) < 2:
+        return "a GLM prompt needs a context and a final <sop> token: at least 2 tokens"
+    return None
+
+
+@hookimpl
+def zoo_request_admit(request, engine):
+    if engine.description.architecture != ARCHITECTURE:
+        return
+    mask = glm_mask_position(request.prompt_token_ids, engine.description.extra["max_sequence_length"])
+    request.plugin_state["glm"] = mask
+    request.bidirectional_prefix = len(request.prompt_token_ids) - 1
+
+
+@hookimpl
+def zoo_step_positions(request, indices, description):
+    if description.architecture != ARCHITECTURE:
+        return None
+    return two_d_positions(len(request.prompt_token_ids), request.plugin_state["glm"], indices)
