@@ -147,4 +147,7 @@ def zoo_request_admit(request, engine):
 def zoo_step_positions(request, indices, description):
     if description.architecture != ARCHITECTURE:
         return None
-    return two_d_positions(len(request.prompt_token_ids), request.plugin_state["glm"], indices)
+    mask = request.plugin_state.get("glm")
+    if mask is None:  # the CUDA memory-profile step's dummy requests are never admitted
+        mask = glm_mask_position(request.prompt_token_ids, description.extra["max_sequence_length"])
+    return two_d_positions(len(request.prompt_token_ids), mask, indices)
