@@ -41,13 +41,16 @@ class BlockManager:
 
     @staticmethod
     def _root_hash(request: Request, tokens: list[int]) -> int | None:
-        """The parent of a request's first block: none, or its whole bidirectional prefix.
+        """The parent of a request's first block: none, or what its K/V depends on besides its tokens.
 
-        Inside a bidirectional prefix every token's K/V depends on all of the prefix, so
-        two requests share such blocks only when their prefixes are equal in full.
+        Inside a bidirectional prefix every token's K/V depends on all of the prefix, so two
+        requests share such blocks only when their prefixes are equal in full; a request whose
+        embeddings a plugin changes (image features) shares only with requests of the same salt.
         """
-        n = request.bidirectional_prefix
-        return hash(("bidirectional", tuple(tokens[:n]))) if n else None
+        n, salt = request.bidirectional_prefix, request.prefix_cache_salt
+        if not n and salt is None:
+            return None
+        return hash(("root", tuple(tokens[:n]), salt))
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)

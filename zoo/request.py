@@ -80,6 +80,9 @@ class Request:
     # Tokens 0..n-1 attend to each other in both directions (GLM's context); set by a plugin at
     # admission. The scheduler computes them in one step, and their cached blocks are keyed by all n.
     bidirectional_prefix: int = 0
+    # What besides its tokens the request's K/V depends on (a hash of its images); set by a plugin at
+    # admission. Cached blocks are shared only between requests with equal salts.
+    prefix_cache_salt: Any = None
     plugin_positions: bool | None = None  # did a plugin give this request's positions (None: not asked yet)
     arrival_time: float = 0.0
     first_token_time: float | None = None
