@@ -18,7 +18,7 @@ import torch
 
 from zoo import ModelDescription, ZooError, hookimpl
 from zoo.model import Rotary, rotate_half, rotate_half_tables
-from zoo_plugins.glm import two_d_positions
+from zoo_plugins.glm import GLM_BLOCK, convert_glm_layer, two_d_positions
 
 ARCHITECTURE = "ChatGLMModel"
 
@@ -59,25 +59,16 @@ def describe(hf: dict) -> ModelDescription:
         num_kv_heads=heads,
         intermediate_size=hf.get("inner_hidden_size") or 4 * hidden,
         max_position=hf.get("max_sequence_length", 2048),
-        norm="layer",
-        norm_bias=True,
         norm_eps=hf.get("layernorm_epsilon", 1e-5),
-        activation="gelu_tanh",
-        gated_mlp=False,
         position="rope",
         position_rows=2,
-        qkv_bias=True,
-        o_bias=True,
-        mlp_bias=True,
         residual_scale=math.sqrt(2 * layers),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[t for t in [hf.get("eos_token_id")] if t is not None],
+        **GLM_BLOCK,
     )
 
 
-_LAYER_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-                "attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
-                "mlp.dense_4h_to_h": "mlp.down_proj"}
 _TOP_NAMES = {"word_embeddings.weight": "model.embed_tokens.weight",
               "final_layernorm.weight": "model.norm.weight", "final_layernorm.bias": "model.norm.bias"}
 
@@ -98,18 +89,13 @@ def zoo_weights_convert(description, name, tensor):
         return [(_TOP_NAMES[name], tensor)]
     if not name.startswith("layers."):
         return []
-    layer, rest = name.removeprefix("layers.").split(".", 1)
-    module, kind = rest.rsplit(".", 1)
-    prefix = f"model.layers.{layer}."
-    if module == "attention.query_key_value":
-        # Per head: its q rows, then k, then v ([heads * 3 * head_dim, ...]).
-        heads, head_dim = description.num_heads, description.head_dim
-        per_head = tensor.reshape(heads, 3, head_dim, *tensor.shape[1:])
-        return [(f"{prefix}self_attn.{p}_proj.{kind}", per_head[:, j].reshape(heads * head_dim, *tensor.shape[1:]))
-                for j, p in enumerate("qkv")]
-    if module in _LAYER_NAMES:
-        return [(f"{prefix}{_LAYER_NAMES[module]}.{kind}", tensor)]
-    return []  # rotary_emb.inv_freq: computed, not loaded
+    heads, head_dim = description.num_heads, description.head_dim
+
+    def split_qkv(fused):  # per head: its q rows, then k, then v ([heads * 3 * head_dim, ...])
+        per_head = fused.reshape(heads, 3, head_dim, *fused.shape[1:])
+        return [per_head[:, j].reshape(heads * head_dim, *fused.shape[1:]) for j in range(3)]
+
+    return convert_glm_layer(name.removeprefix("layers."), tensor, split_qkv)
 
 
 @hookimpl

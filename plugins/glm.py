@@ -38,6 +38,27 @@ def glm_mask_position(prompt_ids, max_sequence_length: int) -> int:
     return next((i for i, t in enumerate(prompt_ids) if t in MASK_TOKEN_IDS), max_sequence_length)
 
 
+# What GLM-10B and ChatGLM-6B share: post-2021 GLM blocks with LayerNorm, a GeLU MLP and biases everywhere.
+GLM_BLOCK = dict(norm="layer", norm_bias=True, activation="gelu_tanh", gated_mlp=False, qkv_bias=True, o_bias=True,
+                 mlp_bias=True)
+# Their per-layer checkpoint names, past the layer number, in zoo's names (q/k/v are split apart).
+GLM_LAYER_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+                   "attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
+                   "mlp.dense_4h_to_h": "mlp.down_proj"}
+
+
+def convert_glm_layer(rest: str, tensor, split_qkv) -> list:
+    """``layers.N.<rest>`` of a GLM checkpoint in zoo's names; ``split_qkv`` splits the fused q/k/v."""
+    layer, rest = rest.split(".", 1)
+    module, kind = rest.rsplit(".", 1)
+    prefix = f"model.layers.{layer}."
+    if module == "attention.query_key_value":
+        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", split_qkv(tensor))]
+    if module in GLM_LAYER_NAMES:
+        return [(f"{prefix}{GLM_LAYER_NAMES[module]}.{kind}", tensor)]
+    return []  # e.g. ChatGLM's rotary_emb.inv_freq: computed, not loaded
+
+
 def describe(hf: dict) -> ModelDescription:
     if hf.get("relative_encoding"):
         raise ZooError("GLM with relative_encoding=true is not supported")
@@ -54,25 +75,16 @@ def describe(hf: dict) -> ModelDescription:
         num_kv_heads=hf["num_attention_heads"],
         intermediate_size=4 * hidden,
         max_position=length + 1,  # both position tables have one row past the context length
-        norm="layer",
-        norm_bias=True,
         norm_eps=hf.get("layernorm_epsilon", 1e-5),
-        activation="gelu_tanh",
-        gated_mlp=False,
         position="learned",
         position_rows=2,
-        qkv_bias=True,
-        o_bias=True,
-        mlp_bias=True,
         tied_embeddings=True,  # GLM's output layer is its word embedding
         eos_token_ids=[t for t in [hf.get("eos_token_id")] if t is not None],
         extra={"max_sequence_length": length},
+        **GLM_BLOCK,
     )
 
 
-_LAYER_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-                "attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
-                "mlp.dense_4h_to_h": "mlp.down_proj"}
 _TOP_NAMES = {"word_embeddings.weight": "model.embed_tokens.weight",
               "transformer.position_embeddings.weight": "model.embed_positions.weight",
               "transformer.block_position_embeddings.weight": "model.embed_block_positions.weight",
@@ -94,14 +106,8 @@ def zoo_weights_convert(description, name, tensor):
         return [(_TOP_NAMES[name], tensor)]
     if not name.startswith("transformer.layers."):
         return []
-    layer, rest = name.removeprefix("transformer.layers.").split(".", 1)
-    module, kind = rest.rsplit(".", 1)
-    prefix = f"model.layers.{layer}."
-    if module == "attention.query_key_value":  # q, k and v one after the other
-        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", tensor.chunk(3, dim=0))]
-    if module in _LAYER_NAMES:
-        return [(f"{prefix}{_LAYER_NAMES[module]}.{kind}", tensor)]
-    return []
+    # q, k and v one after the other
+    return convert_glm_layer(name.removeprefix("transformer.layers."), tensor, lambda t: t.chunk(3, dim=0))
 
 
 @hookimpl

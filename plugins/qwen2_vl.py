@@ -157,7 +157,8 @@ def smart_size(height: int, width: int, factor: int) -> tuple[int, int]:
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > MAX_PIXELS:
         beta = math.sqrt(height * width / MAX_PIXELS)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
     elif h * w < MIN_PIXELS:
         beta = math.sqrt(MIN_PIXELS / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
