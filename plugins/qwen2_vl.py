@@ -138,8 +138,10 @@ class VisionEncoder(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        x = pixels.view(-1, self.channels, self.temporal, self.patch, self.patch).to(self.patch_embed.proj.weight)
-        x = self.patch_embed.proj(x).view(pixels.shape[0], -1)
+        # The 3-D convolution's kernel is its stride, so it is one matrix product per patch; as a product it
+        # also stays in float32 on GPUs, where cuDNN would run the convolution in TF32.
+        weight = self.patch_embed.proj.weight
+        x = F.linear(pixels.to(weight).view(pixels.shape[0], -1), weight.view(weight.shape[0], -1))
         cos, sin = self._rotary(grids, x.device)
         segments = [h * w for t, h, w in grids for _ in range(t)]
         for block in self.blocks:
