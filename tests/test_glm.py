@@ -65,7 +65,7 @@ def test_chunks_get_the_ids_of_the_whole_prompt(cuts):
 # ------------------------------------------------------------------ tiny checkpoints by their published names
 
 VOCAB = 50304  # GLM-10B's, so that its mask token ids exist
-HIDDEN, HEADS, LAYERS, MAX_LEN = 32, 4, 2, 128
+HIDDEN, HEADS, LAYERS, MAX_LEN = 64, 4, 2, 128  # head size 16: on a GPU, decode steps run as CUDA graphs
 
 
 def _randn(g, *shape, scale=0.2):
@@ -223,6 +223,8 @@ def test_paged_decoding_equals_full_recomputation(glm_checkpoint, runtime):
     prompts = glm_prompts()
     recorder = Recorder()
     llm = LLM(str(folder), model=kind, plugins=[recorder], **runtime)
+    if llm.engine.device.type == "cuda" and not runtime:
+        assert llm.engine.uses_cuda_graphs  # the 2-D positions and block embeddings replay in graphs
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
     for i, (out, prompt) in enumerate(zip(outs, prompts)):  # a fresh engine numbers requests from 0
         assert out.error is None

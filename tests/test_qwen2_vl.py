@@ -114,6 +114,8 @@ def test_greedy_matches_transformers_with_images(qwen2_vl, tmp_path, runtime):
     requests, references = requests_and_references(qwen2_vl, tmp_path)
     recorder = LogitsRecorder()
     llm = LLM(str(folder), model="qwen2_vl", plugins=[recorder], **runtime)
+    if llm.engine.device.type == "cuda" and not runtime:
+        assert llm.engine.uses_cuda_graphs  # three position rows replay in graphs
     outs = llm.generate(requests, SamplingParams(max_new_tokens=6, ignore_eos=True))
     for i, (out, (tokens, logits)) in enumerate(zip(outs, references)):
         assert out.error is None
