@@ -214,7 +214,11 @@ class Engine:
         chosen = {}
         if plain:
             requests = [scheduled[i].request for i in plain]
-            rows = output.logits[[batch.logits_rows[i][0] for i in plain]]
+            row_ids = [batch.logits_rows[i][0] for i in plain]
+            if row_ids == list(range(row_ids[0], row_ids[0] + len(row_ids))):
+                rows = output.logits[row_ids[0]:row_ids[0] + len(row_ids)]  # a view: no gather (all decode steps)
+            else:
+                rows = output.logits[row_ids]
             chosen = dict(zip(plain, self.sampler.select(rows, requests, TokenHistories(requests))))
         for i, (entry, rows) in enumerate(zip(scheduled, batch.logits_rows)):
             new_tokens = self._advance(entry, output.logits, rows, chosen.get(i))
@@ -268,7 +272,7 @@ class Engine:
         stop_ids = self.sampler.stop_ids(request)
         committed: list[int] = []
         for token, row in zip(tokens, raw_rows):
-            self._commit(request, token, logits[row], stop_ids)
+            self._commit(request, token, logits, row, stop_ids)
             committed.append(token)
             if request.is_finished:
                 break
@@ -296,14 +300,14 @@ class Engine:
             history.append(token)
             node = child
 
-    def _commit(self, request: Request, token: int, raw_logits: torch.Tensor, stop_ids: set[int]) -> None:
+    def _commit(self, request: Request, token: int, logits: torch.Tensor, row: int, stop_ids: set[int]) -> None:
         request.output_token_ids.append(token)
         self.stats.generated_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
             self.stats.time_to_first_token.append(request.first_token_time - request.arrival_time)
         if request.params.logprobs is not None:
-            request.output_logprobs.append(Sampler.logprobs(raw_logits, token, request.params.logprobs))
+            request.output_logprobs.append(Sampler.logprobs(logits[row], token, request.params.logprobs))
         params = request.params
         generated = len(request.output_token_ids)
         if token in stop_ids and generated >= params.min_new_tokens:

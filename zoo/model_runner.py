@@ -9,6 +9,7 @@ any plugin that fills its declared buffers runs under graphs unchanged.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,20 @@ class StepBatch:
 class StepOutput:
     logits: torch.Tensor  # [rows, vocab] float32, rows in StepBatch.logits_rows order
     extras: dict
+
+
+def int64_tensor(values) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints: through ``array`` it is several times faster than ``torch.tensor``."""
+    return torch.frombuffer(values if isinstance(values, array) else array("q", values), dtype=torch.int64)
+
+
+def padded_rows(rows: list[list[int]], width: int) -> torch.Tensor:
+    """``[len(rows), width]`` int64, each row zero-padded on the right."""
+    flat, zeros = array("q"), array("q", bytes(8 * width))
+    for row in rows:
+        flat.extend(row)
+        flat.extend(zeros[:width - len(row)])
+    return int64_tensor(flat).view(len(rows), width)
 
 
 class ModelRunner:
@@ -243,11 +258,9 @@ class ModelRunner:
         self._fill(buf["logits_indices"], logits_indices)
         self._fill(buf["context_lens"], context_lens)
         self._fill(buf["draft_start"], draft_starts)
-        table = torch.tensor([e.request.block_ids + [0] * (num_blocks - len(e.request.block_ids))
-                              for e in scheduled], dtype=torch.int64)
-        cache_rows = torch.tensor([r + [0] * (max_query - len(r)) for r in cache_index_rows], dtype=torch.int64)
-        buf["block_tables"][:num_seqs, :num_blocks].copy_(table)
-        buf["query_cache_index"][:num_seqs, :max_query].copy_(cache_rows)
+        buf["block_tables"][:num_seqs, :num_blocks].copy_(
+            padded_rows([e.request.block_ids for e in scheduled], num_blocks))
+        buf["query_cache_index"][:num_seqs, :max_query].copy_(padded_rows(cache_index_rows, max_query))
 
         has_tree = any(e.draft is not None for e in scheduled)
         batch = StepBatch(scheduled, num_tokens, offsets, logits_rows)
@@ -264,7 +277,7 @@ class ModelRunner:
 
     def _fill(self, buffer: torch.Tensor, values: list) -> None:
         if values:
-            buffer[:len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+            buffer[:len(values)].copy_(int64_tensor(values), non_blocking=True)
 
     def step_buffers(self) -> dict[str, torch.Tensor]:
         views = {}

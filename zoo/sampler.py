@@ -29,10 +29,13 @@ class Sampler:
         return request.generator
 
     def stop_ids(self, request: Request) -> set[int]:
-        ids = set(request.params.stop_token_ids)
-        if not request.params.ignore_eos:
-            ids.update(self.eos_token_ids)
-        return ids
+        """The token ids that end ``request``: its own stop ids, and EOS unless it ignores it."""
+        if request.stop_token_set is None:  # the params are fixed once a request is admitted
+            ids = set(request.params.stop_token_ids)
+            if not request.params.ignore_eos:
+                ids.update(self.eos_token_ids)
+            request.stop_token_set = ids
+        return request.stop_token_set
 
     def select(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> list[int]:
         """Next token for each row of raw ``logits``; row ``i`` follows ``histories[i]``."""
