@@ -109,11 +109,18 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="measure zoo only")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--offline-requests", type=int, default=256)
+    p.add_argument("--blocks-per-iter", type=int, default=None,
+                   help="the decode kernel's tile width in cache blocks (default: zoo's; see bench/decode_kernel.py)")
     args = p.parse_args(argv)
+    from zoo import triton_attention
+
+    if args.blocks_per_iter:
+        triton_attention.BLOCKS_PER_ITER = args.blocks_per_iter
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
-              "layers": args.layers, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+              "layers": args.layers, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "decode_kernel_blocks_per_iter": triton_attention.BLOCKS_PER_ITER}
     from zoo import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:

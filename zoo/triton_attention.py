@@ -28,6 +28,9 @@ except Exception:  # noqa: BLE001 - not installed or broken: the SDPA path still
 # Blocks one program walks. Small, so that even one short sequence spreads over many programs:
 # at batch 1 a 150-token context with 16 blocks per split ran in one program per KV head (17 us per layer).
 BLOCKS_PER_SPLIT = 4
+# Blocks one loop iteration reads as a single tile (a divisor of BLOCKS_PER_SPLIT); bench/decode_kernel.py
+# times the choices.
+BLOCKS_PER_ITER = 2
 
 
 def available() -> bool:
@@ -47,7 +50,8 @@ if triton is not None:
         stride_ot, stride_oh, stride_os,
         stride_lt, stride_lh,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        BLOCKS_PER_SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, IEEE: tl.constexpr,
+        BLOCKS_PER_SPLIT: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, HAS_TREE: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -61,7 +65,7 @@ if triton is not None:
         if first_block * BLOCK_SIZE < visible:
             offs_g = tl.arange(0, GROUP_PAD)
             offs_d = tl.arange(0, HEAD_DIM)
-            offs_s = tl.arange(0, BLOCK_SIZE)
+            offs_k = tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)
             heads = kv_head * GROUP + offs_g
             group_mask = offs_g < GROUP
             q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -73,21 +77,22 @@ if triton is not None:
             m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
             l = tl.zeros([GROUP_PAD], tl.float32)
             acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-            for i in range(BLOCKS_PER_SPLIT):
-                block_index = first_block + i
-                if block_index * BLOCK_SIZE < visible:
-                    block = tl.load(BlockTables + seq * stride_bt + block_index)
-                    kv_offsets = (block * stride_kb + offs_s[:, None] * stride_ks + kv_head * stride_kh
-                                  + offs_d[None, :])
-                    k = tl.load(KCache + kv_offsets)
-                    v = tl.load(VCache + kv_offsets)
+            for i in range(BLOCKS_PER_SPLIT // BLOCKS_PER_ITER):
+                tile_first = (first_block + i * BLOCKS_PER_ITER) * BLOCK_SIZE
+                if tile_first < visible:
+                    # BLOCKS_PER_ITER cache blocks in one tile: more loads in flight per iteration.
+                    positions = tile_first + offs_k
+                    valid = positions < visible
+                    blocks = tl.load(BlockTables + seq * stride_bt + positions // BLOCK_SIZE, mask=valid, other=0)
+                    kv_offsets = (blocks[:, None] * stride_kb + (positions % BLOCK_SIZE)[:, None] * stride_ks
+                                  + kv_head * stride_kh + offs_d[None, :])
+                    k = tl.load(KCache + kv_offsets, mask=valid[:, None], other=0.0)
+                    v = tl.load(VCache + kv_offsets, mask=valid[:, None], other=0.0)
                     if IEEE:
                         s = tl.dot(q, tl.trans(k), input_precision="ieee")
                     else:
                         s = tl.dot(q, tl.trans(k))
                     s = s * scale
-                    positions = block_index * BLOCK_SIZE + offs_s
-                    valid = positions < visible
                     if HAS_TREE:
                         offset = positions - draft_start
                         in_tree = offset >= 0
@@ -154,7 +159,8 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, HAS_TREE=has_tree, IEEE=q.dtype == torch.float32,
+        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
+        IEEE=q.dtype == torch.float32,
     )
     # Merge the splits: weight each by its share of the total softmax mass.
     out = torch.empty_like(q)
