@@ -28,9 +28,10 @@ except Exception:  # noqa: BLE001 - not installed or broken: the SDPA path still
 # Blocks one program walks. Small, so that even one short sequence spreads over many programs:
 # at batch 1 a 150-token context with 16 blocks per split ran in one program per KV head (17 us per layer).
 BLOCKS_PER_SPLIT = 4
-# Blocks one loop iteration reads as a single tile (a divisor of BLOCKS_PER_SPLIT); bench/decode_kernel.py
-# times the choices.
-BLOCKS_PER_ITER = 2
+# Blocks one loop iteration reads as a single tile (a divisor of BLOCKS_PER_SPLIT). On the H200 a whole split
+# in one tile was fastest: 23.7 us per layer at batch 64 and context 256, against 30.7 us for one block per
+# iteration, 154 against 254 us at batch 256 and context 700 (bench/results/gpu/decode_kernel.txt).
+BLOCKS_PER_ITER = 4
 
 
 def available() -> bool:
