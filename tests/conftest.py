@@ -68,9 +68,11 @@ def checkpoints(tmp_path_factory):
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int):
     """transformers' greedy tokens and per-step logits for one prompt."""
+    ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        # An explicit mask: generate would otherwise take every token equal to pad_token_id for padding.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     return tokens, torch.stack([l[0] for l in out.logits])
 

@@ -132,8 +132,9 @@ def test_min_new_tokens_matches_transformers(eos_checkpoint):
     folder, model, prompt, eos = eos_checkpoint
     out = LLM(str(folder)).generate([prompt], SamplingParams(max_new_tokens=10, min_new_tokens=4))[0]
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=4, do_sample=False,
-                             eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=4,
+                             do_sample=False, eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
     assert out.token_ids == ref
     assert len(out.token_ids) >= 4 and eos not in out.token_ids[:4]
 
