@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from conftest import hf_greedy, prompt_set  # noqa: E402
 from zoo import LLM, SamplingParams, fused_ops  # noqa: E402
 from zoo.description import ModelDescription  # noqa: E402
-from zoo.model import RMSNorm, Rotary, add_then_norm, write_cache  # noqa: E402
+from zoo.model import RMSNorm, Rotary, add_norm, write_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter computes in numpy float32, so float32 agrees to rounding; bf16 is checked on the GPU run,
@@ -30,14 +30,14 @@ def tolerance(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_matches_add_then_norm(dtype, with_residual):
+def test_add_rms_norm_matches_eager_add_and_norm(dtype, with_residual):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 96, generator=g).to(DEVICE, dtype)  # 96: not a power of two, so the row is masked
     residual = torch.randn(5, 96, generator=g).to(DEVICE, dtype) if with_residual else None
     norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
-        expected, expected_sum = add_then_norm(norm, x, residual)
+        expected, expected_sum = add_norm(norm, x, residual)  # norm.fused is off: the PyTorch ops
         out, summed = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
     torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
     torch.testing.assert_close(out, expected, **tolerance(dtype))

@@ -80,10 +80,16 @@ def describe_model(hf_config: dict, hooks, where: str) -> ModelDescription:
                    f"installed plugins support: {', '.join(sorted(registry)) or 'nothing'}")
 
 
+def new_model(description: ModelDescription, hooks) -> DecoderModel:
+    """The generic model with the modules plugins add for this architecture (``zoo_model_build``)."""
+    model = DecoderModel(description, hooks)
+    hooks.zoo_model_build(model=model, description=description)
+    return model
+
+
 def build_empty_model(description: ModelDescription, hooks, dtype: torch.dtype, device: torch.device) -> DecoderModel:
     with torch.device("meta"):
-        model = DecoderModel(description, hooks)
-        hooks.zoo_model_build(model=model, description=description)
+        model = new_model(description, hooks)
     model = model.to(dtype=dtype).to_empty(device=device)
     _reset_computed_buffers(model, device)
     return model
@@ -199,8 +205,7 @@ def build_embedded(embedded: dict, hooks, dtype: torch.dtype, device: torch.devi
     description.eos_token_ids = [tokenizer.eos_token_id]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(embedded.get("seed", 0)))
-        model = DecoderModel(description, hooks)
-        hooks.zoo_model_build(model=model, description=description)
+        model = new_model(description, hooks)
     model = model.to(device=device, dtype=dtype)
     _reset_computed_buffers(model, device)
     source = (f"embedded default {hf_config['architectures'][0]} (RANDOM-INIT weights, seed "

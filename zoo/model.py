@@ -56,23 +56,13 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
-        if self.fused:
-            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
-        return add_then_norm(self, x, residual)
-
-
-def add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
-    """``(norm(x + residual), x + residual)``; a residual of None adds nothing."""
-    summed = x if residual is None else x + residual
-    return norm(summed), summed
-
 
 def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
-    """The residual add and the norm after it, in one kernel where the norm has one (RMSNorm on GPU)."""
-    if isinstance(norm, RMSNorm):
-        return norm.add_forward(x, residual)
-    return add_then_norm(norm, x, residual)
+    """``(norm(x + residual), x + residual)``, a residual of None adding nothing; one kernel for RMSNorm on GPU."""
+    if isinstance(norm, RMSNorm) and norm.fused:
+        return fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    summed = x if residual is None else x + residual
+    return norm(summed), summed
 
 
 def make_norm(desc: ModelDescription) -> nn.Module:

@@ -186,7 +186,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         input_ids, slots, token_seq, query_index, logits_indices = [], [], [], [], []
         positions: list[list[int]] = [[] for _ in range(self.description.position_rows)]
-        offsets, logits_rows, cache_index_rows, context_lens, draft_starts = [], [], [], [], []
+        offsets, logits_rows, visible_rows, context_lens, draft_starts = [], [], [], [], []
         tree_bits: list[int] = []
         bs = self.block_size
         for b, entry in enumerate(scheduled):
@@ -205,7 +205,7 @@ class ModelRunner:
                 slots.append(request.block_ids[i // bs] * bs + i % bs)
                 token_seq.append(b)
                 query_index.append(0)
-                cache_index_rows.append([i])
+                visible_rows.append([i])
                 context_lens.append(i + 1)
                 draft_starts.append(i + 1)
                 continue
@@ -239,12 +239,12 @@ class ModelRunner:
             slots += [request.block_ids[i // bs] * bs + i % bs for i in cache_index]
             token_seq += [b] * len(tokens)
             query_index += range(len(tokens))
-            cache_index_rows.append(visible_until)
+            visible_rows.append(visible_until)
             context_lens.append(cache_index[-1] + 1)
             draft_starts.append(entry.start + entry.num_tokens if draft is not None else cache_index[-1] + 1)
 
         num_tokens, num_seqs = len(input_ids), len(scheduled)
-        max_query = max(len(r) for r in cache_index_rows)
+        max_query = max(len(r) for r in visible_rows)
         num_blocks = max(len(e.request.block_ids) for e in scheduled)
         buf = self.buffers
         self._fill(buf["input_ids"], input_ids)
@@ -253,14 +253,14 @@ class ModelRunner:
         self._fill(buf["slot_mapping"], slots)
         self._fill(buf["token_seq"], token_seq)
         self._fill(buf["token_query_index"], query_index)
-        self._fill(buf["token_cache_index"], [i for row in cache_index_rows for i in row])
+        self._fill(buf["token_cache_index"], [i for row in visible_rows for i in row])
         self._fill(buf["tree_bits"], tree_bits)
         self._fill(buf["logits_indices"], logits_indices)
         self._fill(buf["context_lens"], context_lens)
         self._fill(buf["draft_start"], draft_starts)
         buf["block_tables"][:num_seqs, :num_blocks].copy_(
             padded_rows([e.request.block_ids for e in scheduled], num_blocks))
-        buf["query_cache_index"][:num_seqs, :max_query].copy_(padded_rows(cache_index_rows, max_query))
+        buf["query_cache_index"][:num_seqs, :max_query].copy_(padded_rows(visible_rows, max_query))
 
         has_tree = any(e.draft is not None for e in scheduled)
         batch = StepBatch(scheduled, num_tokens, offsets, logits_rows)

@@ -83,8 +83,8 @@ class Request:
     # What besides its tokens the request's K/V depends on (a hash of its images); set by a plugin at
     # admission. Cached blocks are shared only between requests with equal salts.
     prefix_cache_salt: Any = None
-    plugin_positions: bool | None = None
-    stop_token_set: set[int] | None = None  # Sampler.stop_ids, computed once  # did a plugin give this request's positions (None: not asked yet)
+    plugin_positions: bool | None = None  # did a plugin give this request's positions (None: not asked yet)
+    stop_token_set: set[int] | None = None  # Sampler.stop_ids, computed once
     arrival_time: float = 0.0
     first_token_time: float | None = None
     num_preemptions: int = 0
