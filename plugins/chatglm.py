@@ -18,7 +18,7 @@ import torch
 
 from zoo import ModelDescription, ZooError, hookimpl
 from zoo.model import Rotary, rotate_half, rotate_half_tables
-from zoo_plugins.glm import GLM_BLOCK, convert_glm_layer, two_d_positions
+from zoo_plugins.glm import GLM_BLOCK, check_glm_request, convert_glm_layer, two_d_positions
 
 ARCHITECTURE = "ChatGLMModel"
 
@@ -62,6 +62,7 @@ def describe(hf: dict) -> ModelDescription:
         norm_eps=hf.get("layernorm_epsilon", 1e-5),
         position="rope",
         position_rows=2,
+        residual="normed",
         residual_scale=math.sqrt(2 * layers),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[t for t in [hf.get("eos_token_id")] if t is not None],
@@ -80,8 +81,6 @@ def zoo_model_architectures():
 
 @hookimpl
 def zoo_weights_convert(description, name, tensor):
-    if description.architecture != ARCHITECTURE:
-        return None
     if name == "lm_head.weight":
         return [(name, tensor)]
     name = name.removeprefix("transformer.")
@@ -100,19 +99,25 @@ def zoo_weights_convert(description, name, tensor):
 
 @hookimpl
 def zoo_model_build(model, description):
-    if description.architecture == ARCHITECTURE:
-        model.model.rotary = TwoHalvesRotary(description)
+    model.model.rotary = TwoHalvesRotary(description)
 
 
 @hookimpl
-def zoo_request_admit(request, engine):
-    if engine.description.architecture == ARCHITECTURE:
-        request.bidirectional_prefix = len(request.prompt_token_ids) - 1
+def zoo_request_fields():
+    return ["position_ids"]  # read only to refuse it with a clear message
 
 
 @hookimpl
-def zoo_step_positions(request, indices, description):
-    if description.architecture != ARCHITECTURE:
-        return None
+def zoo_request_validate(request):
+    return check_glm_request(request)
+
+
+@hookimpl
+def zoo_request_bidirectional_prefix(request):
+    return len(request.prompt_token_ids) - 1  # the context, all but <sop>
+
+
+@hookimpl
+def zoo_step_positions(request, indices):
     prompt_len = len(request.prompt_token_ids)
     return two_d_positions(prompt_len, prompt_len - 2, indices)  # the mask sits just before <sop>

@@ -16,7 +16,6 @@ from zoo import ModelDescription, ZooError, hookimpl
 
 ARCHITECTURE = "GLMModel"
 MASK_TOKEN_IDS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
-GLM_ARCHITECTURES = {"GLMModel", "ChatGLMModel"}
 
 
 def two_d_positions(prompt_len: int, mask_position: int, indices) -> list[list[int]]:
@@ -98,9 +97,7 @@ def zoo_model_architectures():
 
 
 @hookimpl
-def zoo_weights_convert(description, name, tensor):
-    if description.architecture != ARCHITECTURE:
-        return None
+def zoo_weights_convert(name, tensor):
     name = name.removeprefix("glm.")
     if name in _TOP_NAMES:
         return [(_TOP_NAMES[name], tensor)]
@@ -112,47 +109,47 @@ def zoo_weights_convert(description, name, tensor):
 
 @hookimpl
 def zoo_model_build(model, description):
-    if description.architecture == ARCHITECTURE:
-        model.model.embed_block_positions = nn.Embedding(description.max_position, description.hidden_size)
+    model.model.embed_block_positions = nn.Embedding(description.max_position, description.hidden_size)
 
 
 @hookimpl
-def zoo_embed_modify(hidden, buffers, model):
-    table = getattr(model.model, "embed_block_positions", None)
-    if table is not None:  # only a GLM model has one; row 2 of the positions indexes it
-        hidden += table(buffers["positions"][1])
+def zoo_embed_modify(hidden, context, model):
+    hidden += model.model.embed_block_positions(context.positions[1])  # row 2 indexes the block positions
 
 
-@hookimpl
-def zoo_request_fields():
-    return ["position_ids"]
-
-
-@hookimpl
-def zoo_request_validate(request, description):
+def check_glm_request(request) -> str | None:
+    """What GLM-10B and ChatGLM-6B refuse: explicit positions, and a prompt without context and <sop>."""
     if "position_ids" in request.extras:
-        if description.architecture in GLM_ARCHITECTURES:
-            return ("GLM models take only their own 2-D position layout (context 0..L-2, then the mask "
-                    "position; block positions 0, then 1, 2, ... from <sop>): remove position_ids")
-        return f"explicit position_ids are not supported for {description.architecture}"
-    if description.architecture in GLM_ARCHITECTURES and len(request.prompt_token_ids) < 2:
+        return ("GLM models take only their own 2-D position layout (context 0..L-2, then the mask "
+                "position; block positions 0, then 1, 2, ... from <sop>): remove position_ids")
+    if len(request.prompt_token_ids) < 2:
         return "a GLM prompt needs a context and a final <sop> token: at least 2 tokens"
     return None
 
 
 @hookimpl
+def zoo_request_fields():
+    return ["position_ids"]  # read only to refuse it with a clear message
+
+
+@hookimpl
+def zoo_request_validate(request):
+    return check_glm_request(request)
+
+
+@hookimpl
+def zoo_request_bidirectional_prefix(request):
+    return len(request.prompt_token_ids) - 1  # the context, all but <sop>
+
+
+@hookimpl
 def zoo_request_admit(request, engine):
-    if engine.description.architecture != ARCHITECTURE:
-        return
     mask = glm_mask_position(request.prompt_token_ids, engine.description.extra["max_sequence_length"])
     request.plugin_state["glm"] = mask
-    request.bidirectional_prefix = len(request.prompt_token_ids) - 1
 
 
 @hookimpl
 def zoo_step_positions(request, indices, description):
-    if description.architecture != ARCHITECTURE:
-        return None
     mask = request.plugin_state.get("glm")
     if mask is None:  # the CUDA memory-profile step's dummy requests are never admitted
         mask = glm_mask_position(request.prompt_token_ids, description.extra["max_sequence_length"])

@@ -57,9 +57,7 @@ def zoo_model_architectures():
 
 
 @hookimpl
-def zoo_weights_convert(description, name, tensor):
-    if description.architecture != ARCHITECTURE:
-        return None
+def zoo_weights_convert(name, tensor):
     name = name.removeprefix("transformer.")
     if name in _TOP_NAMES:
         return [(_TOP_NAMES[name], tensor)]

@@ -1,12 +1,40 @@
-"""Llama-family models: Llama (incl. llama3 RoPE scaling), Mistral, Qwen2.
+"""Llama-family models: Llama (incl. linear and llama3 RoPE scaling), Mistral, Qwen2.
 
-Their checkpoints already use zoo's parameter names, so this plugin only
-describes the architecture.
+Their checkpoints already use zoo's parameter names, so this plugin describes
+the architecture and, for scaled RoPE, gives the model a rotary module with
+the scaled frequencies.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from zoo import ModelDescription, ZooError, hookimpl
+from zoo.model import Rotary, rope_inverse_frequencies
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ScaledRotary(Rotary):
+    """RoPE with ``linear`` or ``llama3`` frequency scaling (``description.extra["rope_scaling"]``)."""
+
+    def inverse_frequencies(self) -> torch.Tensor:
+        inv_freq = rope_inverse_frequencies(self.description)
+        scaling = self.description.extra["rope_scaling"]
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "linear":
+            return inv_freq / scaling["factor"]
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
@@ -18,6 +46,8 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in ("default", "linear", "llama3"):
             raise ZooError(f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+        if kind == "default":
+            scaling = None
     return float(theta), scaling
 
 
@@ -45,16 +75,22 @@ def describe(hf: dict) -> ModelDescription:
         gated_mlp=True,
         position="rope",
         rope_theta=theta,
-        rope_scaling=scaling,
         qkv_bias=qwen2 or bool(hf.get("attention_bias", False)),
         o_bias=bool(hf.get("attention_bias", False)) and not qwen2,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding,
         bos_token_id=hf.get("bos_token_id"),
+        extra={"rope_scaling": dict(scaling)} if scaling else {},
     )
 
 
 @hookimpl
 def zoo_model_architectures():
-    return {name: describe for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")}
+    return {name: describe for name in ARCHITECTURES}
+
+
+@hookimpl
+def zoo_model_build(model, description):
+    if "rope_scaling" in description.extra:  # this model's own setting, not another architecture's
+        model.model.rotary = ScaledRotary(description)

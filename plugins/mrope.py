@@ -13,19 +13,25 @@ The rotary module then takes, for each frequency, the row its section of
 ``mrope_section`` names (temporal, height, width, in turn), so its tables keep
 the rotate-half form and the fused GPU kernel applies them.
 
-Any model whose description carries ``extra["mrope_section"]`` gets these
-positions; ``qwen2_vl`` sets it, and stores each image's grid in
-``request.plugin_state["images"]`` before admission.
+This plugin takes part only when an architecture plugin that takes part
+requires it (``qwen2_vl``); that plugin sets ``extra["mrope_section"]``,
+``extra["image_token_id"]`` and ``extra["spatial_merge_size"]`` in its
+description and stores each request's image grids under
+``request.plugin_state[IMAGE_GRIDS]`` before admission.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zoo import RequestError, hookimpl
+from zoo import RequestError, Scope, hookimpl
 from zoo.model import Rotary
 
+zoo_scope = Scope(on_demand=True)
 STATE = "mrope"
+# The plugin_state key under which a vision plugin leaves a request's image grids, [(t, h, w), ...] in
+# prompt order, before admission: the one key mrope reads from another plugin.
+IMAGE_GRIDS = "image_grids"
 
 
 class MultimodalRotary(Rotary):
@@ -81,9 +87,7 @@ def prompt_positions(token_ids: list[int], image_token_id: int, grids: list[tupl
 @hookimpl
 def zoo_request_admit(request, engine):
     extra = engine.description.extra
-    if "mrope_section" not in extra or request.is_finished:
-        return
-    grids = [grid for _, grid in request.plugin_state.get("images", [])]
+    grids = request.plugin_state.get(IMAGE_GRIDS, [])
     try:
         rows, delta = prompt_positions(request.prompt_token_ids, extra["image_token_id"], grids,
                                        extra["spatial_merge_size"])
@@ -94,9 +98,7 @@ def zoo_request_admit(request, engine):
 
 
 @hookimpl
-def zoo_step_positions(request, indices, description):
-    if "mrope_section" not in description.extra:
-        return None
+def zoo_step_positions(request, indices):
     rows, delta = request.plugin_state.get(STATE, (None, 0))
     if rows is None:  # a text-only layout (the CUDA memory-profile step's dummy requests)
         return [list(indices)] * 3

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import ModelDescription, RequestError, ZooError, hookimpl
+from zoo import ModelDescription, RequestError, Scope, ZooError, hookimpl
 from zoo.model import rotate_half
-from zoo_plugins.mrope import MultimodalRotary
+from zoo_plugins.mrope import IMAGE_GRIDS, MultimodalRotary
 
+zoo_scope = Scope(requires=("mrope",))  # its positions come from mrope
 ARCHITECTURE = "Qwen2VLForConditionalGeneration"
 STATE = "qwen2_vl"
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the image processor's normalisation
@@ -230,9 +231,7 @@ def zoo_model_architectures():
 
 
 @hookimpl
-def zoo_weights_convert(description, name, tensor):
-    if description.architecture != ARCHITECTURE:
-        return None
+def zoo_weights_convert(name, tensor):
     if name.startswith("model.language_model."):  # transformers 5's module names
         name = "model." + name.removeprefix("model.language_model.")
     elif name.startswith("model.visual."):
@@ -242,9 +241,8 @@ def zoo_weights_convert(description, name, tensor):
 
 @hookimpl
 def zoo_model_build(model, description):
-    if description.architecture == ARCHITECTURE:
-        model.model.rotary = MultimodalRotary(description)
-        model.visual = VisionEncoder(description.extra["vision"], description.hidden_size)
+    model.model.rotary = MultimodalRotary(description)
+    model.visual = VisionEncoder(description.extra["vision"], description.hidden_size)
 
 
 @hookimpl
@@ -257,8 +255,6 @@ def zoo_request_validate(request, description):
     images = request.extras.get("images")
     if images is None:
         return None
-    if description.architecture != ARCHITECTURE:
-        return f"{description.architecture} takes no images"
     if not isinstance(images, list):
         return "images must be a list of file paths or processed-image objects"
     vision, merge = description.extra["vision"], description.extra["spatial_merge_size"]
@@ -279,37 +275,45 @@ def zoo_request_validate(request, description):
         grids = ", ".join(f"{t}x{h}x{w}" for _, (t, h, w) in parsed)
         return (f"the prompt has {pads} image-pad tokens, but the images' grids ({grids}, merged {merge}x{merge}) "
                 f"need {needed}")
-    request.plugin_state["images"] = parsed  # kept for admission: grids for mrope, patches for the encoder
+    pixels = torch.cat([p for p, _ in parsed]) if parsed else None
+    grids = [g for _, g in parsed]
+    request.plugin_state[IMAGE_GRIDS] = grids  # mrope's positions
+    if parsed:
+        digest = hashlib.sha256(pixels.numpy().tobytes())
+        digest.update(repr(grids).encode())
+        request.plugin_state[STATE] = {"pixels": pixels, "digest": digest.hexdigest()}  # encoded at admission
     return None
 
 
 @hookimpl
-def zoo_request_admit(request, engine):
-    images = request.plugin_state.get("images")
-    if not images or request.is_finished or engine.description.architecture != ARCHITECTURE:
-        return
-    pixels = torch.cat([p for p, _ in images])
-    grids = [g for _, g in images]
-    with torch.inference_mode():
-        features = engine.model.visual(pixels.to(engine.device), grids)
-    image_token = engine.description.extra["image_token_id"]
-    pads = [i for i, t in enumerate(request.prompt_token_ids) if t == image_token]
-    request.plugin_state[STATE] = (pads, features)
-    request.plugin_state["images"] = [(None, g) for g in grids]  # the patches are encoded: let them go
-    digest = hashlib.sha256(pixels.numpy().tobytes())
-    digest.update(repr(grids).encode())
-    request.prefix_cache_salt = digest.hexdigest()  # equal prompts with other images must not share K/V
+def zoo_request_cache_key(request):
+    # Equal prompts with other images must not share K/V.
+    state = request.plugin_state.get(STATE)
+    return state["digest"] if state else None
 
 
 @hookimpl
-def zoo_embed_modify(hidden, batch, buffers):
+def zoo_request_admit(request, engine):
+    state = request.plugin_state.get(STATE)
+    if state is None:
+        return
+    with torch.inference_mode():
+        state["features"] = engine.model.visual(state.pop("pixels").to(engine.device),
+                                                request.plugin_state[IMAGE_GRIDS])
+    image_token = engine.description.extra["image_token_id"]
+    state["pads"] = [i for i, t in enumerate(request.prompt_token_ids) if t == image_token]
+
+
+@hookimpl
+def zoo_embed_modify(hidden, context):
+    batch = context.batch
     if batch is None:  # a graph-captured decode step: its tokens are never prompt image pads
         return
     for entry, offset in zip(batch.scheduled, batch.token_offsets):
         state = entry.request.plugin_state.get(STATE)
         if state is None:
             continue
-        pads, features = state
+        pads, features = state["pads"], state["features"]
         first, last = bisect_left(pads, entry.start), bisect_left(pads, entry.start + entry.num_tokens)
         if first < last:  # this chunk holds image pads first..last-1
             rows = torch.tensor([offset + pads[j] - entry.start for j in range(first, last)], device=hidden.device)

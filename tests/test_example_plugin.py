@@ -159,13 +159,16 @@ def test_same_tokens_banned_as_transformers(plugin_module, ngram_size):
 
 
 def test_inactive_unless_selected(plugin_module):
-    request = Request(0, [1, 2, 1, 2, 1], SamplingParams())
-    for engine in (fake_engine(2, name="none"), SimpleNamespace(config={})):
-        logits = torch.zeros(1, 4)
-        plugin_module.zoo_logits_process(logits=logits, requests=[request], histories=[request.token_ids],
-                                         engine=engine)
-        assert torch.equal(logits, torch.zeros(1, 4))
-    logits = torch.zeros(1, 4)
-    plugin_module.zoo_logits_process(logits=logits, requests=[request], histories=[request.token_ids],
-                                     engine=fake_engine(2))
-    assert torch.isinf(logits[0, 2]) and torch.isinf(logits).sum() == 1  # (1, 2) was seen before
+    """The module's scope keeps it out of runs that do not choose processor=no_repeat_ngram."""
+    from omegaconf import OmegaConf
+
+    from zoo.plugins import load_plugins, plan_plugins
+
+    def status(processor: str):
+        pm = load_plugins(extra=[plugin_module])
+        config = OmegaConf.create({"processor": {"name": processor}})
+        return {row.name: row for row in plan_plugins(pm, config, "LlamaForCausalLM")}["zoo_no_repeat_ngram"]
+
+    off, on = status("none"), status("no_repeat_ngram")
+    assert not off.active and "needs processor=no_repeat_ngram; processor=none is chosen" in off.reason
+    assert on.active and "processor=no_repeat_ngram is chosen" in on.reason

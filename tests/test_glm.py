@@ -38,9 +38,8 @@ def test_chatglm_rule_table():
 
 
 def test_chatglm_plugin_uses_the_token_before_sop_as_mask():
-    desc = ModelDescription("ChatGLMModel", 100, 32, 1, 2, 2, 64, position_rows=2)
     request = Request(0, list(range(10, 17)), None)  # 7 prompt tokens
-    assert chatglm_positions(request=request, indices=list(range(9)), description=desc) == [
+    assert chatglm_positions(request=request, indices=list(range(9))) == [
         [0, 1, 2, 3, 4, 5, 5, 5, 5], [0, 0, 0, 0, 0, 0, 1, 2, 3]]
 
 
@@ -273,4 +272,6 @@ def test_bad_glm_requests_fail_alone(glm_checkpoint):
 
 def test_position_ids_on_other_models_are_a_clear_error():
     out = LLM().generate([{"prompt_ids": [1, 2, 3], "position_ids": [[0, 1, 2]]}])[0]
-    assert out.error == "explicit position_ids are not supported for LlamaForCausalLM"
+    assert out.error.startswith("unknown request field(s): position_ids; position_ids is read by plugin ")
+    assert "which does not take part in this run" in out.error
+    assert "the checkpoint is LlamaForCausalLM" in out.error

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+import zoo
 from zoo import LLM, SamplingParams, ZooError, hookimpl
 from zoo.config import compose_config
 from zoo.plugins import describe_plugins, load_plugins
@@ -150,10 +151,10 @@ def test_request_validate_hook_rejects_one_request():
 
 
 def test_declared_buffers_are_filled_each_step():
-    """A plugin declares a per-token buffer and fills it; the model sees the step's view."""
+    """A plugin adds a per-token buffer at engine start and fills it; the forward context shows the step's view."""
     import torch
 
-    from zoo.model_runner import BufferSpec
+    from zoo.step import BufferSpec
 
     seen = []
 
@@ -161,8 +162,8 @@ def test_declared_buffers_are_filled_each_step():
         name = "token_parity"
 
         @hookimpl
-        def zoo_buffers_declare(self, limits):
-            return [BufferSpec("token_parity", (limits.max_num_tokens,))]
+        def zoo_engine_start(self, setup):
+            setup.add_buffer(BufferSpec("token_parity", (setup.limits.max_num_tokens,)))
 
         @hookimpl
         def zoo_step_prepare(self, batch, buffers):
@@ -172,9 +173,9 @@ def test_declared_buffers_are_filled_each_step():
             buffers["token_parity"].copy_(torch.tensor(ids) % 2)
 
         @hookimpl
-        def zoo_embed_modify(self, hidden, buffers):
+        def zoo_embed_modify(self, hidden, context):
             if not self.profiling:
-                seen.append(buffers["token_parity"].tolist())
+                seen.append(context.buffers["token_parity"].tolist())
 
     # Eager: under CUDA graphs the embed hook's Python runs at capture only, and the graph reads the buffer.
     llm = LLM(plugins=[TokenParity()], enforce_eager=True)
@@ -193,10 +194,20 @@ def test_config_groups_and_experiment():
 def test_full_size_dummy_step_fits_the_limits():
     """The step the GPU memory profile runs: more tokens than one sequence may hold."""
     # GPT-2's learned positions fail loudly if a dummy sequence runs past max_model_len
-    llm = LLM(model="gpt2", max_model_len=40, max_num_batched_tokens=100, block_size=8, max_draft_tokens=2)
+    from test_speculative import with_method
+
+    class TwoDrafts(zoo.DecodingMethod):
+        name, max_draft_tokens = "two_drafts", 2
+
+        def propose(self, requests):
+            return {}
+
+    llm = LLM(model="gpt2", max_model_len=40, max_num_batched_tokens=100, block_size=8,
+              plugins=[with_method("two_drafts", TwoDrafts())], overrides=["decoding.name=two_drafts"])
     runner = llm.engine.runner
+    assert runner.limits.max_num_tokens == 100 + 32 * 2
     runner.run_full_step()  # 100 + 32*2 tokens over sequences of at most 40 tokens
-    runner.allocate_kv_cache(llm.engine.num_blocks)
+    runner.kv.allocate(llm.engine.num_blocks)
     out = llm.generate(["again"], SamplingParams(max_new_tokens=3))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 

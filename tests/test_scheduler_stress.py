@@ -8,6 +8,7 @@ import random
 import pytest
 
 import zoo
+from test_speculative import llm_with, with_method
 from zoo import LLM, SamplingParams
 
 
@@ -51,16 +52,16 @@ def test_random_batches_match_requests_run_alone(alone, trial):
     assert llm.engine.blocks.num_used_blocks == 0  # everything was given back
 
 
-class RandomDrafter:
+class RandomDrafter(zoo.DecodingMethod):
     """Proposes random trees whose tokens are sometimes the right continuation (greedy requests only)."""
 
     name = "random_drafter"
+    max_draft_tokens = 6
 
     def __init__(self, references: dict, rng: random.Random):
         self.references, self.rng = references, rng
 
-    @zoo.hookimpl
-    def zoo_decoding_propose(self, requests):
+    def propose(self, requests):
         drafts = {}
         for request in requests:
             if self.rng.random() < 0.3:
@@ -69,11 +70,11 @@ class RandomDrafter:
             tokens, parents = [], []
             for _ in range(self.rng.randint(1, 6)):
                 parent = self.rng.randrange(-1, len(tokens))
-                depth = 0 if parent < 0 else zoo.DraftTree(tokens, parents).depth(parent)
+                depth = 0 if parent < 0 else zoo.DraftBlock(tokens, parents).depth(parent)
                 right = future[depth] if depth < len(future) else 0
                 tokens.append(right if self.rng.random() < 0.7 else self.rng.randrange(258))
                 parents.append(parent)
-            drafts[request.request_id] = zoo.DraftTree(tokens, parents)
+            drafts[request.request_id] = zoo.DraftBlock(tokens, parents)
         return drafts
 
 
@@ -87,26 +88,27 @@ def test_random_draft_trees_keep_greedy_tokens(alone, trial):
     runtime = dict(block_size=block_size, max_num_batched_tokens=rng.choice([8, 64, 512]),
                    num_kv_blocks=-(-(40 + 20 + 8) // block_size) + rng.randint(0, 6),
                    enable_prefix_caching=rng.random() < 0.5)
-    llm = LLM(plugins=[RandomDrafter(references, rng)], **runtime)
+    llm = llm_with(RandomDrafter(references, rng), **runtime)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == references[tuple(prompt)], runtime
     assert llm.engine.blocks.num_used_blocks == 0
 
 
-class AlwaysEight:
+class AlwaysEight(zoo.DecodingMethod):
     """Proposes eight draft tokens for every decoding request."""
 
     name = "always_eight"
+    max_draft_tokens = 8
 
-    @zoo.hookimpl
-    def zoo_decoding_propose(self, requests):
-        return {r.request_id: zoo.DraftTree.chain([5] * 8) for r in requests}
+    def propose(self, requests):
+        return {r.request_id: zoo.DraftBlock.chain([5] * 8) for r in requests}
 
 
 def test_drafts_never_run_past_the_model_length():
     """GPT-2's learned positions end at n_positions; drafts near the end must be cut, not crash."""
-    llm = LLM(model="gpt2", overrides=["model.embedded.n_positions=48"], plugins=[AlwaysEight()])
+    llm = LLM(model="gpt2", plugins=[with_method("always_eight", AlwaysEight())],
+              overrides=["model.embedded.n_positions=48", "decoding.name=always_eight"])
     plain = LLM(model="gpt2", overrides=["model.embedded.n_positions=48"])
     prompt = list(range(40))
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -118,7 +120,7 @@ def test_drafts_never_run_past_the_model_length():
 def test_drafts_are_dropped_rather_than_preempting():
     """A request alone in a cache just big enough for it: drafts that do not fit are dropped."""
     prompt, params = list(range(30)), SamplingParams(max_new_tokens=10, ignore_eos=True)
-    llm = LLM(plugins=[AlwaysEight()], block_size=4, num_kv_blocks=10)  # 40 slots: prompt + output only
+    llm = llm_with(AlwaysEight(), block_size=4, num_kv_blocks=10)  # 40 slots: prompt + output only
     out = llm.generate([prompt], params)[0]
     assert out.token_ids == LLM().generate([prompt], params)[0].token_ids
     assert llm.engine.scheduler.num_preemptions == 0

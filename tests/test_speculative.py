@@ -1,9 +1,9 @@
 """Several query tokens per request in one step, tree masks and KV rollback.
 
-An oracle drafter (a test plugin) proposes draft tokens, right or wrong, from
-plain decoding's output; whatever it proposes, greedy output must equal plain
-decoding, and verifying k tokens in one step must give the logits of k
-single steps.
+An oracle drafter (a test plugin registering the decoding method ``oracle``)
+proposes draft blocks, right or wrong, from plain decoding's output; whatever
+it proposes, greedy output must equal plain decoding, and verifying k tokens
+in one step must give the logits of k single steps.
 """
 
 from __future__ import annotations
@@ -15,24 +15,42 @@ import torch
 
 from conftest import hf_greedy, prompt_set
 from test_parity import LogitsRecorder
-from zoo import LLM, DraftTree, SamplingParams, hookimpl
+from zoo import LLM, DecodingMethod, DraftBlock, SamplingParams, hookimpl
 
 MAX_NEW = 16
 WRONG = 7  # token used for wrong guesses (replaced when it happens to be right)
 
 
-class OracleDrafter:
-    name = "oracle_drafter"
+def with_method(name: str, method: DecodingMethod):
+    """A plugin registering ``method`` under ``name`` (pass ``decoding.name=NAME`` to choose it)."""
 
-    def __init__(self, references: dict[tuple, list[int]], mode: str, k: int = 4):
+    class Registers:
+        @hookimpl
+        def zoo_decoding_methods(self):
+            return {name: lambda engine: method}
+
+    plugin = Registers()
+    plugin.name = f"registers_{name}"
+    return plugin
+
+
+def llm_with(method: DecodingMethod, *args, plugins=(), **kwargs) -> LLM:
+    return LLM(*args, plugins=[with_method(method.name, method), *plugins],
+               overrides=[f"decoding.name={method.name}"], **kwargs)
+
+
+class OracleDrafter(DecodingMethod):
+    name = "oracle"
+
+    def __init__(self, references: dict[tuple, list[int]], mode: str, k: int = 4, max_draft_tokens: int = 8):
         self.references, self.mode, self.k = references, mode, k
+        self.max_draft_tokens = max_draft_tokens
         self.proposed = self.steps = 0
 
     def _wrong(self, right: int) -> int:
         return WRONG if right != WRONG else WRONG + 1
 
-    @hookimpl
-    def zoo_decoding_propose(self, requests, engine):
+    def propose(self, requests):
         drafts = {}
         for request in requests:
             ref = self.references[tuple(request.prompt_token_ids)]
@@ -40,18 +58,18 @@ class OracleDrafter:
             if not future:
                 continue
             if self.mode == "chain":  # all right
-                draft = DraftTree.chain(future)
+                draft = DraftBlock.chain(future)
             elif self.mode == "wrong_tail":  # right, right, then wrong
-                draft = DraftTree.chain(future[:2] + [self._wrong(t) for t in future[2:]])
+                draft = DraftBlock.chain(future[:2] + [self._wrong(t) for t in future[2:]])
             elif self.mode == "all_wrong":
-                draft = DraftTree.chain([self._wrong(t) for t in future])
+                draft = DraftBlock.chain([self._wrong(t) for t in future])
             else:  # "tree": a wrong sibling before the right child at every level
                 tokens, parents, parent = [], [], -1
                 for right in future:
                     tokens += [self._wrong(right), right]
                     parents += [parent, parent]
                     parent = len(tokens) - 1
-                draft = DraftTree(tokens[:8], parents[:8])
+                draft = DraftBlock(tokens[:8], parents[:8])
             drafts[request.request_id] = draft
             self.proposed += len(draft.tokens)
         self.steps += 1
@@ -71,7 +89,7 @@ def llama(checkpoints):
 def test_drafts_never_change_greedy_tokens(llama, mode, block_size):
     folder, prompts, references = llama
     drafter = OracleDrafter(references, mode)
-    llm = LLM(str(folder), plugins=[drafter], block_size=block_size)
+    llm = llm_with(drafter, str(folder), block_size=block_size)
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == references[tuple(prompt)]
@@ -88,7 +106,7 @@ def test_verifying_k_tokens_equals_k_single_steps(llama):
     plain_rec, spec_rec = LogitsRecorder(), LogitsRecorder()
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     LLM(str(folder), plugins=[plain_rec]).generate(prompts, params)
-    LLM(str(folder), plugins=[spec_rec, OracleDrafter(references, "chain", k=5)]).generate(prompts, params)
+    llm_with(OracleDrafter(references, "chain", k=5), str(folder), plugins=[spec_rec]).generate(prompts, params)
     for rid in plain_rec.rows:
         # the last verify step may also look at the row after the final token; compare the common rows
         torch.testing.assert_close(torch.stack(spec_rec.rows[rid][:MAX_NEW]), torch.stack(plain_rec.rows[rid]),
@@ -97,7 +115,7 @@ def test_verifying_k_tokens_equals_k_single_steps(llama):
 
 def test_rollback_frees_rejected_blocks(llama):
     folder, prompts, references = llama
-    llm = LLM(str(folder), plugins=[OracleDrafter(references, "all_wrong", k=8)], block_size=4)
+    llm = llm_with(OracleDrafter(references, "all_wrong", k=8), str(folder), block_size=4)
     llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
     assert llm.engine.blocks.num_used_blocks == 0  # nothing leaked by drafts
     assert all(r == 0 for r in llm.engine.blocks.ref_counts)
@@ -105,8 +123,8 @@ def test_rollback_frees_rejected_blocks(llama):
 
 def test_too_many_draft_tokens_is_a_clear_error(llama):
     folder, prompts, references = llama
-    llm = LLM(str(folder), plugins=[OracleDrafter(references, "chain", k=8)], max_draft_tokens=4)
-    with pytest.raises(Exception, match="max_draft_tokens is 4"):
+    llm = llm_with(OracleDrafter(references, "chain", k=8, max_draft_tokens=4), str(folder))
+    with pytest.raises(Exception, match="'oracle' proposed 8 draft tokens; its max_draft_tokens is 4"):
         llm.generate(prompts[:1], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
 
 
@@ -128,7 +146,7 @@ def test_sampling_with_drafts_keeps_target_distribution(checkpoints):
             exact[(t1, t2)] = p1 * p2
     greedy = hf_greedy(model, prompt, 3)[0]
     drafter = OracleDrafter({tuple(prompt): greedy}, "chain", k=2)
-    llm = LLM(str(folder), plugins=[drafter], max_num_seqs=64, max_num_batched_tokens=1024)
+    llm = llm_with(drafter, str(folder), max_num_seqs=64, max_num_batched_tokens=1024)
     params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k, seed=s)
               for s in range(n)]
     outputs = llm.generate([prompt] * n, params)
@@ -150,13 +168,13 @@ def test_history_processors_see_accepted_drafts(llama):
     plain = LLM(str(folder)).generate(prompts, params)
     references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     drafter = OracleDrafter(references, "chain", k=6)
-    drafted = LLM(str(folder), plugins=[drafter]).generate(prompts, params)
+    drafted = llm_with(drafter, str(folder)).generate(prompts, params)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     assert drafter.proposed > 0
 
 
 def test_draft_tree_depth_cut_keeps_structure():
-    tree = DraftTree([10, 11, 12, 13, 14], [-1, 0, -1, 1, 2])  # depths 1, 2, 1, 3, 2
-    cut = tree.within_depth(2)
+    tree = DraftBlock([10, 11, 12, 13, 14], [-1, 0, -1, 1, 2])  # depths 1, 2, 1, 3, 2
+    cut = tree.within(2)
     assert cut.tokens == [10, 11, 12, 14] and cut.parents == [-1, 0, -1, 2]
-    assert tree.within_depth(0) is None
+    assert tree.within(0) is None

@@ -16,7 +16,7 @@ from zoo import triton_attention  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start, tree_bits, scale):
+def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start, visible, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // key_cache.shape[2]
     bs = key_cache.shape[1]
@@ -27,7 +27,7 @@ def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_
         k = key_cache.reshape(-1, *key_cache.shape[2:])[slots].double()
         v = value_cache.reshape(-1, *value_cache.shape[2:])[slots].double()
         allowed = torch.tensor([j <= int(query_index[t]) and (j < int(draft_start[b]) or
-                                (int(tree_bits[t]) >> (j - int(draft_start[b]))) & 1 == 1) for j in range(n)])
+                                bool(visible[t, j - int(draft_start[b])])) for j in range(n)])
         for h in range(q.shape[1]):
             scores = (k[:, h // group] @ q[t, h].double()) * scale
             scores[~allowed] = float("-inf")
@@ -57,24 +57,22 @@ def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_
         used += need
     # seq 2: committed context 35, then the last committed token and a 4-node tree at indices 35..39
     parents = [-1, -1, 0, 2]
-    bits = []
+    visible = torch.zeros(7, 4, dtype=torch.int8)  # rows 3..6 are the draft tokens; each sees its ancestors
     for i in range(4):
-        mask, node = 0, i
+        node = i
         while node >= 0:
-            mask |= 1 << node
+            visible[3 + i, node] = 1
             node = parents[node]
-        bits.append(mask)
     token_seq = torch.tensor([0, 1, 2, 2, 2, 2, 2])
     query_index = torch.tensor([299, 4, 35, 36, 37, 38, 39])
     draft_start = torch.tensor([300, 5, 36])
-    tree_bits = torch.tensor([-1, -1, -1] + bits, dtype=torch.int64)
     context_lens = torch.tensor(lengths)
     q = torch.randn(len(token_seq), heads, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
     expected = reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start,
-                         tree_bits, scale)
+                         visible, scale)
     args = [x.to(DEVICE) for x in (q, key_cache, value_cache, tables, context_lens, token_seq, query_index,
-                                   draft_start, tree_bits)]
+                                   draft_start, visible)]
     got = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True).cpu().double()
     rel = (got - expected).norm() / expected.norm()
     assert rel < tol, rel

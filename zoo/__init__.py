@@ -2,11 +2,12 @@
 
 from zoo.description import ModelDescription
 from zoo.errors import RequestError, ZooError
-from zoo.plugins import hookimpl
-from zoo.request import DraftTree
+from zoo.decoding import DecodingMethod, DraftBlock
+from zoo.plugins import Scope, hookimpl
 from zoo.sampling_params import SamplingParams
 
-__all__ = ["LLM", "ModelDescription", "SamplingParams", "DraftTree", "ZooError", "RequestError", "hookimpl"]
+__all__ = ["LLM", "ModelDescription", "SamplingParams", "DraftBlock", "DecodingMethod", "Scope", "ZooError",
+           "RequestError", "hookimpl"]
 
 
 def __getattr__(name):

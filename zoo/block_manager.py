@@ -40,17 +40,14 @@ class BlockManager:
         return hash((parent, tokens))
 
     @staticmethod
-    def _root_hash(request: Request, tokens: list[int]) -> int | None:
+    def _root_hash(request: Request) -> int | None:
         """The parent of a request's first block: none, or what its K/V depends on besides its tokens.
 
-        Inside a bidirectional prefix every token's K/V depends on all of the prefix, so two
-        requests share such blocks only when their prefixes are equal in full; a request whose
-        embeddings a plugin changes (image features) shares only with requests of the same salt.
+        ``request.cache_key`` is composed at admission from every part that changes a block's
+        contents (a bidirectional prefix, an adapter, images...); blocks are shared only between
+        requests with equal keys.
         """
-        n, salt = request.bidirectional_prefix, request.prefix_cache_salt
-        if not n and salt is None:
-            return None
-        return hash(("root", tuple(tokens[:n]), salt))
+        return hash(("root", request.cache_key)) if request.cache_key else None
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -76,7 +73,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         tokens = request.token_ids
-        parent = self._root_hash(request, tokens)
+        parent = self._root_hash(request)
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = self._chain_hash(parent, chunk)
@@ -126,7 +123,7 @@ class BlockManager:
         tokens = request.token_ids
         for i in range(request.num_hashed_blocks, full):
             block = request.block_ids[i]
-            parent = self.block_hash.get(request.block_ids[i - 1]) if i else self._root_hash(request, tokens)
+            parent = self.block_hash.get(request.block_ids[i - 1]) if i else self._root_hash(request)
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = self._chain_hash(parent, chunk)
             self.block_hash[block] = h

@@ -29,13 +29,13 @@ class ModelDescription:
     position: str = "rope"  # "rope" | "learned" | "none"
     position_rows: int = 1  # rows of position ids per token (2 for GLM, 3 for mRoPE)
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = False
     tied_embeddings: bool = False
-    residual_scale: float = 1.0  # multiplies the residual branch input (GLM alpha)
+    residual: str = "input"  # "input": the residual is the sublayer's input | "normed": its normalised input
+    residual_scale: float = 1.0  # with residual="normed", the factor on it (ChatGLM's alpha)
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     sliding_window: int | None = None
     bos_token_id: int | None = None

@@ -6,100 +6,132 @@ and stop at the first plugin that returns something other than ``None``.
 Implementations may take fewer arguments than the spec lists, so specs can grow
 without breaking plugins (pluggy passes arguments by name).
 
+Only plugins that take part in the run are called (see :mod:`zoo.plugins`): an
+architecture plugin for its own architectures, a feature plugin when its
+config option is chosen. The two hooks under "Start-up" are the exception:
+they are asked of every loaded plugin, before that choice is made.
+
 Plugins mark implementations with ``zoo.hookimpl``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+
 import pluggy
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from zoo.decoding import DecodingMethod
+    from zoo.description import ModelDescription
+    from zoo.engine import Engine
+    from zoo.engine_setup import EngineSetup
+    from zoo.forward_context import ForwardContext
+    from zoo.model import DecoderModel
+    from zoo.request import Request
+    from zoo.step import StepBatch, StepResults
 
 hookspec = pluggy.HookspecMarker("zoo")
 
 # ----------------------------------------------------------------------------
-# Configuration: before Hydra composes the config
+# Start-up: asked of every loaded plugin, before the run's plugins are chosen
 # ----------------------------------------------------------------------------
 
 
 @hookspec
-def zoo_config_register(config_store):
+def zoo_config_register(config_store: Any) -> None:
     """Add options to Hydra config groups.
 
-    Runs once when ``python -m zoo.run`` starts, before Hydra composes the
-    config. ``config_store`` is Hydra's ``ConfigStore``; call
-    ``config_store.store(group="processor", name="my_option", node={...})`` to
-    make ``processor=my_option`` selectable. Returns nothing.
+    Runs once per process, before Hydra composes the config. ``config_store``
+    is Hydra's ``ConfigStore``; ``config_store.store(group="processor",
+    name="my_option", node={...})`` makes ``processor=my_option`` selectable.
     """
-
-
-# ----------------------------------------------------------------------------
-# Model: architecture, modules and weights
-# ----------------------------------------------------------------------------
 
 
 @hookspec
-def zoo_model_architectures():
-    """Name the HF architectures this plugin can build.
+def zoo_model_architectures() -> dict[str, Callable[[dict], "ModelDescription"]]:
+    """Name the HF architectures this plugin builds.
 
-    Runs when a checkpoint is opened. Returns ``{architecture_name: describe}``
-    where ``describe(hf_config: dict) -> zoo.ModelDescription`` turns a
-    ``config.json`` into the generic transformer's description (raise
-    ``zoo.ZooError`` for settings it cannot honour). Contribute: the core
-    merges all dicts; two plugins claiming one name is an error.
+    Runs when a checkpoint is opened. Returns ``{architecture: describe}``,
+    ``describe(hf_config) -> zoo.ModelDescription`` (raise ``zoo.ZooError`` for
+    settings it cannot honour). Contribute; two plugins claiming one name is an
+    error. A plugin that returns architectures takes part in a run only when the
+    checkpoint is one of them, so its other hooks never see other models.
     """
+
+
+# ----------------------------------------------------------------------------
+# Model: modules and weights
+# ----------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
-def zoo_weights_convert(description, name, tensor):
+def zoo_weights_convert(description: "ModelDescription", name: str,
+                        tensor: "torch.Tensor") -> list[tuple[str, "torch.Tensor"]] | None:
     """Map one checkpoint tensor onto zoo's parameter names.
 
-    Runs for every tensor of the checkpoint, before it is copied into the
-    model. Receives the model's ``description``, the checkpoint tensor
-    ``name`` and the lazily loaded ``tensor``. Returns a list of
-    ``(zoo_name, tensor)`` pairs (empty to skip the tensor; several to split a
-    fused weight), or ``None`` when the plugin does not handle this
-    architecture. firstresult. With no answer the name is used as is.
+    Runs for every tensor of the checkpoint before it is copied into the model.
+    Returns ``(zoo_name, tensor)`` pairs (none to skip the tensor; several to
+    split a fused weight). firstresult; with no answer the name is used as is.
     """
 
 
 @hookspec
-def zoo_model_build(model, description):
+def zoo_model_build(model: "DecoderModel", description: "ModelDescription") -> None:
     """Add modules whose weights the checkpoint holds, before the weights load.
 
     Runs once, right after the generic model is built (its tensors not yet
-    allocated) and before the checkpoint is read: attach an extra embedding
-    table, a vision encoder, or replace ``model.model.rotary`` with a module
-    for another position layout. Check ``description.architecture`` first:
-    every plugin sees every model. Weights named after the added modules'
-    parameter paths load like the model's own. Returns nothing.
+    allocated): attach an embedding table or a vision encoder, or replace
+    ``model.model.rotary`` (:class:`zoo.model.Rotary`, the extension point for
+    position layouts and scaled RoPE). Weights named after the added modules'
+    parameter paths load like the model's own.
     """
 
 
 @hookspec
-def zoo_model_modify(model, description, config):
-    """Wrap or add modules after the model is built and loaded.
+def zoo_model_modify(model: "DecoderModel", description: "ModelDescription", config: Any) -> None:
+    """Wrap or add modules after the weights are loaded.
 
-    Runs once, after the weights are loaded and before the KV cache is sized.
-    ``model`` is the :class:`zoo.model.DecoderModel`; modify it in place
-    (swap a Linear for an adapter-aware one, attach draft heads, replace the
-    rotary module). ``config`` is the whole run config. Returns nothing.
+    Runs once, before q/k/v and gate/up are fused. Wrap a projection in a
+    :class:`zoo.model.LinearWrapper` (its ``delta`` is added to the fused
+    product, so fusion stays on), attach heads, load adapter weights. Modules
+    read per-step tensors from :func:`zoo.forward_context.get_forward_context`
+    while the model runs, so nothing per-step is needed here. ``config`` is the
+    whole run config.
     """
 
 
 # ----------------------------------------------------------------------------
-# Static buffers: declared once, allocated once, filled every step
+# Engine start: the model runner exists, the KV cache is about to be sized
 # ----------------------------------------------------------------------------
 
 
 @hookspec
-def zoo_buffers_declare(description, limits):
-    """Declare extra per-step tensors with their largest shapes.
+def zoo_engine_start(engine: "Engine", setup: "EngineSetup") -> None:
+    """Allocate what the plugin needs for the whole run.
 
-    Runs once when the model runner starts. ``limits`` is a
-    :class:`zoo.model_runner.RunnerLimits` (max tokens per step, max
-    sequences, max blocks per sequence). Returns a list of
-    :class:`zoo.model_runner.BufferSpec`; the core allocates each once on the
-    model's device and hands views of them to ``zoo_step_prepare`` and the
-    model every step, so decode steps can replay as CUDA graphs. Contribute.
+    Runs once, after the model and the model runner exist and before the KV
+    cache is sized, the memory-profile step runs and CUDA graphs are captured,
+    so that what plugins add counts in the memory budget and is captured:
+    ``setup.add_buffer(BufferSpec)`` (a static per-step tensor, cut to each
+    step's size and handed to ``zoo_step_prepare`` and the forward context),
+    ``setup.add_kv_layers(modules)`` (attention modules of a draft model get
+    cache layers from the same block pool: the same block tables and slots as
+    the model's own layers), ``setup.capture_layers(indices)`` (step results
+    carry these decoder layers' outputs). Returns nothing.
+    """
+
+
+@hookspec
+def zoo_decoding_methods() -> dict[str, Callable[["Engine"], "DecodingMethod"]]:
+    """Register decoding methods by name.
+
+    Runs once at engine start. Returns ``{name: factory}``; ``decoding=NAME``
+    picks exactly one, built as ``factory(engine)`` (a
+    :class:`zoo.decoding.DecodingMethod`). Contribute; a name registered twice
+    is an error, and so is a ``decoding`` option no plugin registers.
     """
 
 
@@ -109,140 +141,132 @@ def zoo_buffers_declare(description, limits):
 
 
 @hookspec
-def zoo_request_fields():
+def zoo_request_fields() -> list[str]:
     """Name the request fields this plugin reads.
 
-    Runs when the engine starts. Returns a list of field names (``images``,
-    ``adapter``...) that a JSONL record or request dict may carry besides
-    the prompt, ``id`` and sampling keys; they reach the plugin in
-    ``request.extras``. A field no plugin names rejects the request, so a
-    misspelt key is an error instead of being ignored. Contribute.
+    Runs at engine start. Returns field names (``images``, ``adapter``...) that a
+    JSONL record or request dict may carry besides the prompt, ``id`` and
+    sampling keys; they reach plugins in ``request.extras``. A field no plugin
+    names rejects the request. Contribute.
     """
 
 
 @hookspec
-def zoo_request_validate(request, description):
+def zoo_prompt_transform(request: "Request") -> None:
+    """Rewrite a request's prompt before it is checked.
+
+    Runs once per request, after tokenization and before validation: change
+    ``request.prompt_token_ids`` in place (prompt tuning prepends its virtual
+    tokens). The rewritten prompt is what counts against ``max_model_len`` and
+    the KV cache; ``request.input_token_ids`` keeps what the user sent, for
+    the output. Raise ``zoo.RequestError`` to reject the request.
+    """
+
+
+@hookspec
+def zoo_request_validate(request: "Request", description: "ModelDescription") -> str | None:
     """Check a request before it is admitted.
 
     Runs once per request, after the core's own checks. Returns an error
-    message (``str``) to reject the request with ``finish_reason: error``, or
-    ``None``. Contribute: every message is reported.
+    message to reject the request with ``finish_reason: error``, or ``None``.
+    Contribute: every message is reported.
+    """
+
+
+@hookspec(firstresult=True)
+def zoo_request_bidirectional_prefix(request: "Request") -> int | None:
+    """How many leading tokens attend to each other in both directions (a prefix-LM).
+
+    Runs once per accepted request. GLM's context returns ``len(prompt) - 1``.
+    The core computes such a prefix in one step, masks attention accordingly
+    and keys cached blocks on the whole prefix. firstresult; default 0.
     """
 
 
 @hookspec
-def zoo_request_admit(request, engine):
+def zoo_request_cache_key(request: "Request") -> Hashable | None:
+    """A part of the prefix-cache key: what besides the tokens changes this request's K/V.
+
+    Runs once per accepted request. Return a hashable value (an adapter's name,
+    a digest of the images), or ``None`` when the K/V depend on the tokens
+    alone. Contribute: the parts of all plugins (and the core's bidirectional
+    prefix) compose one key, and cached blocks are shared only between requests
+    whose keys are equal.
+    """
+
+
+@hookspec
+def zoo_request_admit(request: "Request", engine: "Engine") -> None:
     """Set up per-request state when a request is accepted.
 
     Runs once per request, after validation. Store state in
-    ``request.plugin_state[<plugin name>]`` (precomputed position rows, image
-    features, the adapter id). Returns nothing.
+    ``request.plugin_state[<plugin name>]``; ``request.finish("error", msg)``
+    rejects it.
     """
 
 
 # ----------------------------------------------------------------------------
-# Steps: building the inputs of one forward pass
+# Steps: one forward pass
 # ----------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
-def zoo_step_positions(request, indices, description):
+def zoo_step_positions(request: "Request", indices: list[int],
+                       description: "ModelDescription") -> list[list[int]] | None:
     """Give the position ids of some of a request's tokens.
 
-    Runs for each request in each step. ``indices`` are the token indices of
-    the request (0-based over prompt plus generated tokens; a draft token at
-    tree depth ``d`` asks for index ``num_tokens - 1 + d``). Returns a list of
-    ``description.position_rows`` lists, each ``len(indices)`` long, or
-    ``None`` to leave it to the next plugin. firstresult; the core's default
-    is the index itself (one row). When no plugin answers for a request's
-    first step, the request keeps the default and is not asked about again.
+    Runs for each request in each step. ``indices`` are token indices (0-based
+    over prompt plus generated tokens; a draft token at position offset ``d``
+    asks for ``num_tokens - 1 + d``). Returns ``description.position_rows``
+    lists, each ``len(indices)`` long. firstresult; default: the index (one row).
     """
 
 
 @hookspec
-def zoo_step_prepare(batch, buffers):
-    """Fill the plugin buffers for one step.
+def zoo_step_prepare(batch: "StepBatch", buffers: dict[str, "torch.Tensor"]) -> None:
+    """Fill the plugin's buffers for one step.
 
-    Runs once per step after the core has filled its own buffers.
-    ``batch`` is the :class:`zoo.model_runner.StepBatch` (the scheduled
-    requests, their token ranges and drafts); ``buffers`` maps every buffer
-    name to a view of the step's size. Write into the views (``copy_``),
-    never replace them. On CUDA the engine first runs one full-size step of
-    dummy requests (negative ``request_id``, all-zero tokens) to measure
-    memory; plugins see it like any other step. Returns nothing.
+    Runs once per step after the core has filled its own. ``buffers`` maps every
+    buffer name to a view of the step's size: write into the views
+    (``copy_``), never replace them. On CUDA the engine first runs one
+    full-size step of dummy requests (negative ``request_id``) to measure
+    memory; plugins see it like any other step.
     """
 
 
 @hookspec
-def zoo_embed_modify(hidden, batch, buffers, model):
+def zoo_embed_modify(hidden: "torch.Tensor", context: "ForwardContext", model: "DecoderModel") -> None:
     """Change the input embeddings of a step in place.
 
-    Runs inside the model's forward, after the token (and learned position)
-    embeddings, before the first layer. ``hidden`` is ``[num_tokens,
-    hidden_size]``; write into it (virtual tokens, image features, a second
-    position embedding). ``model`` is the running :class:`zoo.model.DecoderModel`,
-    to reach modules added in ``zoo_model_build``. Returns
-    nothing. On CUDA this hook is also recorded into the decode CUDA graphs,
-    with ``batch=None``: read per-step data from ``buffers`` with tensor
-    operations only, so that each replay sees the step's values.
+    Runs inside the forward pass, after the token (and learned position)
+    embeddings. ``hidden`` is ``[num_tokens, hidden_size]``. Also recorded into
+    CUDA graphs, where ``context.batch`` is ``None``: read per-step data from
+    ``context.buffers`` with tensor operations only.
     """
 
 
 @hookspec
-def zoo_output_collect(hidden, batch, buffers):
-    """Keep extra outputs of a forward pass.
-
-    Runs after the final norm, before the LM head. ``hidden`` is
-    ``[num_tokens, hidden_size]``. Returns a dict merged into
-    ``StepOutput.extras`` (for example the hidden states a draft head
-    needs), or ``None``. Contribute. Recorded into the decode CUDA graphs
-    like ``zoo_embed_modify`` (``batch=None``); the tensors returned then are
-    the graph's outputs, refreshed by every replay.
-    """
-
-
-@hookspec
-def zoo_logits_process(logits, requests, histories, engine):
+def zoo_logits_process(logits: "torch.Tensor", requests: list["Request"], histories: Sequence[list[int]],
+                       engine: "Engine") -> None:
     """Adjust next-token logits before sampling, in place.
 
-    Runs after the core's own processors (repetition penalty, logit bias,
-    min tokens). ``logits`` is ``[num_rows, vocab]`` float32 with one row per
-    entry of ``requests``; ``histories[i]`` is the token sequence row ``i``
-    follows (prompt, generated tokens, and any draft tokens accepted earlier
-    in the same step, so it can be longer than ``request.token_ids``).
-    ``histories`` is a sequence that builds each list when it is read, so a
-    plugin that needs no history costs nothing per row. Returns nothing.
+    Runs after the core's processors. ``logits`` is ``[rows, vocab]`` float32,
+    one row per entry of ``requests``; ``histories[i]`` is the token sequence
+    row ``i`` follows (with draft tokens accepted earlier in the step), built
+    only when read.
     """
 
 
-# ----------------------------------------------------------------------------
-# Decoding: speculative and multi-token methods
-# ----------------------------------------------------------------------------
+@hookspec
+def zoo_step_results(results: "StepResults") -> None:
+    """See what a step produced, to propose the next drafts.
 
-
-@hookspec(firstresult=True)
-def zoo_decoding_propose(requests, engine):
-    """Propose draft tokens for the running requests.
-
-    Runs before each step that has requests in decode. Returns
-    ``{request_id: zoo.DraftTree}`` (tokens plus parent indices: a chain or
-    a tree), or ``None`` for plain decoding. The core schedules the last
-    committed token plus the drafts as query tokens of one step, with the
-    tree as attention mask. firstresult.
-    """
-
-
-@hookspec(firstresult=True)
-def zoo_decoding_verify(request, draft, logits, sampler):
-    """Choose which draft tokens to keep.
-
-    Runs for each request that carried a draft, after the forward pass.
-    ``logits`` are ``[1 + len(draft), vocab]``: row 0 after the last
-    committed token, row ``1 + i`` after draft token ``i``. Returns
-    ``(accepted_draft_indices, next_token)``; the core keeps those draft
-    tokens plus ``next_token`` and rolls the KV cache back for the rest.
-    firstresult; the core's default accepts the longest path whose tokens
-    equal what the sampler picks.
+    Runs after each step's tokens are committed. ``results.sequences`` has, for
+    each request the step advanced, the tokens committed and the rows of the
+    tokens whose K/V it kept; ``results.hidden_states(rows)`` and
+    ``results.layer_states(layer, rows)`` gather final or captured-layer
+    hidden states on the device (valid until the next step). Nothing is copied
+    to the host unless a plugin does it.
     """
 
 
@@ -252,14 +276,18 @@ def zoo_decoding_verify(request, draft, logits, sampler):
 
 
 @hookspec
-def zoo_token_generated(request, token_id):
+def zoo_token_generated(request: "Request", token_id: int) -> bool | None:
     """See each generated token as soon as it is committed.
 
-    Runs once per token per request (streaming, custom stop rules). Return
-    ``True`` to finish the request with ``finish_reason: stop``. Contribute.
+    Runs once per token per request. Return ``True`` to finish the request
+    with ``finish_reason: stop``. Contribute.
     """
 
 
 @hookspec
-def zoo_request_finished(request):
-    """Release per-request state when a request finishes or is rejected."""
+def zoo_request_finished(request: "Request") -> None:
+    """Release per-request state.
+
+    Runs once for every request that ends: finished, stopped, or rejected at
+    any point of admission (then ``request.error`` says why).
+    """

@@ -109,7 +109,7 @@ class LLM:
         text = request.output_text or (self.tokenizer.decode(request.output_token_ids) if request.output_token_ids else "")
         return RequestOutput(
             id=request.output_id,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=request.input_token_ids or request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
             text=text,
             finish_reason=request.finish_reason or "length",

@@ -12,16 +12,19 @@ import torch
 from zoo.description import ModelDescription
 from zoo.errors import ZooError
 from zoo.model import DecoderModel
+from zoo.plugins import architecture_owners
 from zoo.tokenizer import ByteTokenizer, load_tokenizer
 
 
 @dataclass
-class LoadedModel:
-    model: DecoderModel
+class Checkpoint:
+    """An opened checkpoint, described but not loaded: its architecture decides which plugins take part."""
+
     description: ModelDescription
     tokenizer: object
-    eos_token_ids: list[int]
-    source: str  # what to tell the user about where the weights came from
+    source: str  # what to tell the user about where the weights come from
+    folder: Path | None  # None: the embedded random-init model
+    seed: int = 0
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -55,18 +58,8 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
-def architecture_registry(hooks) -> dict:
-    registry: dict = {}
-    for contribution in hooks.zoo_model_architectures():
-        for name, describe in (contribution or {}).items():
-            if name in registry:
-                raise ZooError(f"two plugins register architecture {name!r}")
-            registry[name] = describe
-    return registry
-
-
-def describe_model(hf_config: dict, hooks, where: str) -> ModelDescription:
-    registry = architecture_registry(hooks)
+def describe_model(hf_config: dict, plugin_manager, where: str) -> ModelDescription:
+    registry = {name: describe for name, (_, describe) in architecture_owners(plugin_manager).items()}
     names = hf_config.get("architectures") or []
     for name in names:
         if name in registry:
@@ -185,29 +178,38 @@ def _eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
-def load_checkpoint(path: str, hooks, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    folder = resolve_checkpoint(path)
-    hf_config = read_json(folder / "config.json", "model config")
-    description = describe_model(hf_config, hooks, str(folder / "config.json"))
-    tokenizer = load_tokenizer(folder)
-    description.eos_token_ids = _eos_ids(folder, hf_config, tokenizer)
-    model = build_empty_model(description, hooks, dtype, device)
-    load_weights(model, folder, hooks)
-    return LoadedModel(model.eval(), description, tokenizer, description.eos_token_ids, f"checkpoint {folder}")
-
-
-def build_embedded(embedded: dict, hooks, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """A tiny random-init model from a fixed seed, with the byte tokenizer."""
+def open_checkpoint(model_cfg, plugin_manager) -> Checkpoint:
+    """Describe the checkpoint ``model.path`` names, or the embedded default (``model.embedded``)."""
+    if model_cfg.get("path"):
+        folder = resolve_checkpoint(str(model_cfg["path"]))
+        hf_config = read_json(folder / "config.json", "model config")
+        description = describe_model(hf_config, plugin_manager, str(folder / "config.json"))
+        tokenizer = load_tokenizer(folder)
+        description.eos_token_ids = _eos_ids(folder, hf_config, tokenizer)
+        return Checkpoint(description, tokenizer, f"checkpoint {folder}", folder)
+    embedded = model_cfg.get("embedded")
+    if not embedded:
+        raise ZooError(f"model option {model_cfg.get('name')!r} has no embedded default: set model.path")
     tokenizer = ByteTokenizer()
-    hf_config = {k: v for k, v in embedded.items() if k != "seed"}
+    hf_config = {k: v for k, v in dict(embedded).items() if k != "seed"}
     hf_config["vocab_size"] = tokenizer.vocab_size
-    description = describe_model(hf_config, hooks, "embedded model config")
+    description = describe_model(hf_config, plugin_manager, "embedded model config")
     description.eos_token_ids = [tokenizer.eos_token_id]
+    seed = int(embedded.get("seed", 0))
+    source = (f"embedded default {hf_config['architectures'][0]} (RANDOM-INIT weights, seed {seed}: the text is "
+              "noise; set model.path to load a checkpoint)")
+    return Checkpoint(description, tokenizer, source, None, seed)
+
+
+def load_model(checkpoint: Checkpoint, hooks, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """The model with the weights of the checkpoint, or random ones from the embedded default's seed."""
+    if checkpoint.folder is not None:
+        model = build_empty_model(checkpoint.description, hooks, dtype, device)
+        load_weights(model, checkpoint.folder, hooks)
+        return model.eval()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(embedded.get("seed", 0)))
-        model = new_model(description, hooks)
+        torch.manual_seed(checkpoint.seed)
+        model = new_model(checkpoint.description, hooks)
     model = model.to(device=device, dtype=dtype)
     _reset_computed_buffers(model, device)
-    source = (f"embedded default {hf_config['architectures'][0]} (RANDOM-INIT weights, seed "
-              f"{embedded.get('seed', 0)}: the text is noise; set model.path to load a checkpoint)")
-    return LoadedModel(model.eval(), description, tokenizer, description.eos_token_ids, source)
+    return model.eval()

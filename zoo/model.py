@@ -3,8 +3,8 @@
 Parameter names follow the Llama layout of HF checkpoints
 (``model.layers.N.self_attn.q_proj.weight``...), so architecture plugins only
 map names that differ. Attention reads and writes the paged KV cache through
-the step's :class:`AttentionMetadata`; the model itself keeps no per-request
-state.
+the step's :class:`AttentionMetadata`, which it reads from the forward context
+(:mod:`zoo.forward_context`); the model itself keeps no per-request state.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 
 from zoo import fused_ops
 from zoo.description import ModelDescription
+from zoo.forward_context import get_forward_context
 
 
 @dataclass
@@ -27,7 +28,7 @@ class AttentionMetadata:
     Tokens are ragged (no padding). The SDPA path pads them per sequence to
     ``[num_seqs, max_query_len]`` through ``token_seq``/``token_query_index``
     and uses ``mask``; the decode kernel reads the same rule from
-    ``token_cache_index``, ``context_lens``, ``draft_start`` and ``tree_bits``.
+    ``token_cache_index``, ``context_lens``, ``draft_start`` and ``draft_visible``.
     """
 
     slot_mapping: torch.Tensor  # [T] flat cache slot written by each token
@@ -39,7 +40,7 @@ class AttentionMetadata:
     token_cache_index: torch.Tensor | None = None  # [T] cache index of each token (its causal limit)
     context_lens: torch.Tensor | None = None  # [B] cache entries of each sequence after this step
     draft_start: torch.Tensor | None = None  # [B] first cache index of the draft tree
-    tree_bits: torch.Tensor | None = None  # [T] bit i: the token sees draft token i
+    draft_visible: torch.Tensor | None = None  # [T, max_draft] int8: 1 where the token sees draft token j
     has_tree: bool = False
     use_decode_kernel: bool = False
 
@@ -80,32 +81,20 @@ ACTIVATIONS = {
 
 
 def rope_inverse_frequencies(desc: ModelDescription) -> torch.Tensor:
+    """Plain RoPE frequencies; a plugin with scaled RoPE (llama3, linear) overrides ``Rotary.inverse_frequencies``."""
     dim = desc.head_dim
-    inv_freq = 1.0 / (desc.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = desc.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    elif kind != "default":
-        raise ValueError(f"rope scaling type {kind!r} is not supported")
-    return inv_freq
+    return 1.0 / (desc.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE on position row 0 (plugins replace it for 2-D/3-D layouts).
+    """Rotate-half RoPE on position row 0: the extension point for position layouts.
 
     One instance serves every layer: ``prepare`` turns the step's positions into
-    tables once per forward pass, ``forward`` applies them to q and k.
+    tables once per forward pass, ``forward`` applies them to q and k. A plugin
+    replaces ``model.model.rotary`` in ``zoo_model_build`` with a subclass for
+    scaled frequencies (``inverse_frequencies``), 2-D or 3-D position rows
+    (``prepare``) or another rotation (``forward``, with
+    ``rotate_half_tables = False``).
     """
 
     # The tables are (cos, sin) of shape [T, 1, head_dim], applied as x*cos + rotate_half(x)*sin, so the
@@ -162,7 +151,7 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
         from zoo.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
-                                      meta.token_seq, meta.token_cache_index, meta.draft_start, meta.tree_bits,
+                                      meta.token_seq, meta.token_cache_index, meta.draft_start, meta.draft_visible,
                                       scale, meta.has_tree)
     keys = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
@@ -179,13 +168,65 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
     return out[:, 0] if meta.max_query_len == 1 else out[meta.token_seq, meta.token_query_index]
 
 
-def fuse_linears(*linears: nn.Linear) -> nn.Linear | None:
-    """One Linear computing several that read the same input; they become views of its weight.
+class LinearWrapper(nn.Module):
+    """A plugin's module around one of the model's Linear layers: ``base_layer(x) + delta(x)``.
 
-    Only plain ``nn.Linear`` layers are fused: one a plugin has wrapped or replaced
-    (an adapter, say) keeps its own forward, and then nothing is fused.
+    Wrap projections in ``zoo_model_modify`` by subclassing this and defining
+    ``delta`` (a LoRA's ``B(A(x)) * scale``, read per token from the forward
+    context). Fusion keeps working: fused q/k/v and gate/up run the base
+    layers as one product and add each wrapper's ``delta`` to its slice.
     """
-    if not all(type(m) is nn.Linear for m in linears):
+
+    def __init__(self, base_layer: nn.Linear):
+        super().__init__()
+        self.base_layer = base_layer
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.delta(x)
+
+
+def base_linear(module: nn.Module) -> nn.Linear | None:
+    """The plain Linear a projection computes with (through any wrappers), or None."""
+    while isinstance(module, LinearWrapper):
+        module = module.base_layer
+    return module if type(module) is nn.Linear else None
+
+
+class FusedLinear(nn.Module):
+    """Several projections of one input as one matrix product, plus the deltas of wrapped ones."""
+
+    def __init__(self, parts: list[nn.Module], fused: nn.Linear):
+        super().__init__()
+        self.fused = fused
+        self.sizes = [p.out_features for p in parts]
+        self.wrapped = [(i, p) for i, p in enumerate(parts) if isinstance(p, LinearWrapper)]
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outputs = list(self.fused(x).split(self.sizes, dim=-1))
+        for i, wrapper in self.wrapped:
+            outputs[i] = outputs[i] + wrapper.delta(x)
+        return outputs
+
+    def concatenated(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs side by side (one tensor, as the fused SiLU-and-mul kernel takes them)."""
+        return torch.cat(self(x), dim=-1) if self.wrapped else self.fused(x)
+
+
+def fuse_linears(*parts: nn.Module) -> FusedLinear | None:
+    """One product for several projections that read the same input; their weights become views of it.
+
+    Wrapped projections (``LinearWrapper``) fuse through their base layer and add their delta;
+    a projection a plugin replaced by something else keeps its own forward, and nothing is fused.
+    """
+    linears = [base_linear(m) for m in parts]
+    if any(m is None for m in linears):
         return None
     has_bias = linears[0].bias is not None
     if any((m.bias is not None) != has_bias for m in linears):
@@ -204,7 +245,7 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear | None:
         if has_bias:
             m.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
         start = end
-    return fused
+    return FusedLinear(list(parts), fused)
 
 
 class Attention(nn.Module):
@@ -217,18 +258,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(desc.num_heads * desc.head_dim, desc.hidden_size, bias=desc.o_bias)
         self.scale = desc.attn_scale or 1.0 / math.sqrt(desc.head_dim)
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
-        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
+        self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
         self.fused = False  # set by DecoderModel.use_fused_ops
 
     def fuse_projections(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, hidden, rope, meta: AttentionMetadata):
+    def forward(self, hidden, rope):
         """``rope``: (rotary module, its tables for this step), or None without rotary positions."""
+        meta = get_forward_context().attention
         tokens = hidden.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(hidden).split([self.q_proj.out_features, self.k_proj.out_features,
-                                                   self.v_proj.out_features], dim=-1)
+            q, k, v = self.qkv_proj(hidden)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -255,7 +296,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(desc.hidden_size, desc.intermediate_size, bias=desc.mlp_bias)
         self.down_proj = nn.Linear(desc.intermediate_size, desc.hidden_size, bias=desc.mlp_bias)
         self.act = ACTIVATIONS[desc.activation]
-        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections
+        self.gate_up_proj: FusedLinear | None = None  # set by fuse_projections
         self.fused = False  # set by DecoderModel.use_fused_ops
 
     def fuse_projections(self) -> None:
@@ -265,8 +306,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is not None:
             if self.fused and self.act is F.silu:
-                return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+                return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x)))
+            gate, up = self.gate_up_proj(x)
             return self.down_proj(self.act(gate) * up)
         if self.gate_proj is not None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -280,16 +321,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(desc)
         self.post_attention_layernorm = make_norm(desc)
         self.mlp = MLP(desc)
+        # The residual branch carries the sublayer's input (pre-norm), or its normalised input
+        # times a factor (ChatGLM's alpha): ModelDescription.residual.
+        self.residual_of_normed = desc.residual == "normed"
         self.residual_scale = desc.residual_scale
 
-    def forward(self, hidden, residual, rope, meta):
+    def _residual(self, normed, summed):
+        return normed * self.residual_scale if self.residual_of_normed else summed
+
+    def forward(self, hidden, residual, rope):
         """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
         normed, hidden = add_norm(self.input_layernorm, hidden, residual)
-        # residual_scale != 1 keeps the normalised input as the residual (GLM's alpha scaling)
-        residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
-        normed, hidden = add_norm(self.post_attention_layernorm, self.self_attn(normed, rope, meta), residual)
-        residual = hidden if self.residual_scale == 1.0 else normed * self.residual_scale
-        return self.mlp(normed), residual
+        residual = self._residual(normed, hidden)
+        normed, hidden = add_norm(self.post_attention_layernorm, self.self_attn(normed, rope), residual)
+        return self.mlp(normed), self._residual(normed, hidden)
 
 
 class Backbone(nn.Module):
@@ -311,19 +356,24 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(desc.hidden_size, desc.vocab_size, bias=False)
         if desc.tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.hooks = hooks  # pluggy hook relay, for the embed/output hooks
+        self.hooks = hooks  # pluggy hook relay, for zoo_embed_modify
+        self.captured_layers: frozenset[int] = frozenset()  # layers whose outputs step results carry
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, batch=None, buffers=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm, ``[num_tokens, hidden_size]``, for the forward context's step."""
+        context = get_forward_context()
         hidden = self.model.embed_tokens(input_ids)
         if self.model.embed_positions is not None:
             hidden = hidden + self.model.embed_positions(positions[0])
         if self.hooks is not None:
-            self.hooks.zoo_embed_modify(hidden=hidden, batch=batch, buffers=buffers, model=self)
+            self.hooks.zoo_embed_modify(hidden=hidden, context=context, model=self)
         rotary = self.model.rotary
         rope = (rotary, rotary.prepare(positions, hidden.dtype)) if rotary is not None else None
         residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope, meta)
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, rope)
+            if i in self.captured_layers:
+                context.layer_outputs[i] = hidden + residual
         return add_norm(self.model.norm, hidden, residual)[0]
 
     def fuse_projections(self) -> None:

@@ -19,50 +19,12 @@ class Status(enum.Enum):
 
 
 @dataclass
-class DraftTree:
-    """Draft tokens proposed for one request.
-
-    ``parents[i]`` is the index of draft token ``i``'s parent, or -1 when its
-    parent is the last committed token. A chain has ``parents == [-1, 0, 1, ...]``.
-    Parents come before children.
-    """
-
-    tokens: list[int]
-    parents: list[int]
-
-    @classmethod
-    def chain(cls, tokens: list[int]) -> "DraftTree":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
-
-    def depth(self, i: int) -> int:
-        d = 1
-        while self.parents[i] >= 0:
-            i, d = self.parents[i], d + 1
-        return d
-
-    def within_depth(self, max_depth: int) -> "DraftTree | None":
-        """The nodes at depth <= ``max_depth`` (renumbered), or None when none is left."""
-        keep = [i for i in range(len(self.tokens)) if self.depth(i) <= max_depth]
-        if not keep:
-            return None
-        index = {old: new for new, old in enumerate(keep)}
-        return DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep])
-
-    def ancestors(self, i: int) -> list[int]:
-        """Draft indices on the path from the root to ``i``, inclusive."""
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = self.parents[i]
-        return path[::-1]
-
-
-@dataclass
 class Request:
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    input_token_ids: list[int] | None = None  # the prompt as the user sent it (zoo_prompt_transform may extend it)
     extras: dict[str, Any] = field(default_factory=dict)  # request fields plugins read (images, adapter...)
     output_id: Any = None  # the caller's id for this request (JSONL `id`, else its index)
     output_token_ids: list[int] = field(default_factory=list)
@@ -77,13 +39,13 @@ class Request:
     output_text: str = ""
     generator: torch.Generator | None = None  # made by the sampler on first use when params.seed is set
     plugin_state: dict[str, Any] = field(default_factory=dict)
-    # Tokens 0..n-1 attend to each other in both directions (GLM's context); set by a plugin at
-    # admission. The scheduler computes them in one step, and their cached blocks are keyed by all n.
+    # Tokens 0..n-1 attend to each other in both directions (GLM's context): set by the engine from
+    # zoo_request_bidirectional_prefix. The scheduler computes them in one step.
     bidirectional_prefix: int = 0
-    # What besides its tokens the request's K/V depends on (a hash of its images); set by a plugin at
-    # admission. Cached blocks are shared only between requests with equal salts.
-    prefix_cache_salt: Any = None
-    plugin_positions: bool | None = None  # did a plugin give this request's positions (None: not asked yet)
+    # Everything besides its tokens that the request's K/V depends on, composed by the engine at
+    # admission (the bidirectional prefix, zoo_request_cache_key parts). Cached blocks are shared
+    # only between requests with equal keys; () shares by tokens alone.
+    cache_key: tuple = ()
     stop_token_set: set[int] | None = None  # Sampler.stop_ids, computed once
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -54,7 +54,7 @@ def run(cfg: DictConfig) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine = llm.engine
-    print(f"model: {engine.loaded.source}", file=sys.stderr)
+    print(f"model: {engine.checkpoint.source}", file=sys.stderr)
     requests = [engine.reject(record["_error"], output_id=index) if "_error" in record else llm._add(record, None, index)
                 for index, record in enumerate(records)]
     engine.run_until_done()

@@ -48,14 +48,30 @@ class Sampler:
             # seeded request's tokens do not depend on the rest of the batch.
             uniform = torch.cat([torch.rand(1, generator=self.generator_for(requests[i]), device=self.device)
                                  for i in sampled])
-            cdf = probs.cumsum(-1)
-            chosen = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
-            # Never land on a zero-probability token through rounding at the top of the CDF.
-            chosen = torch.where(probs.gather(1, chosen.clamp(max=probs.shape[1] - 1)[:, None])[:, 0] > 0,
-                                 chosen, probs.argmax(-1)).clamp(max=probs.shape[1] - 1)
-            for i, token in zip(sampled, chosen.tolist()):
+            for i, token in zip(sampled, self._inverse_cdf(probs, uniform).tolist()):
                 tokens[i] = token
         return tokens
+
+    def probs(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> torch.Tensor:
+        """The distribution each row's token is drawn from (sampled requests: processed and filtered)."""
+        return self.filtered_probs_batch(self.process(logits, requests, histories), [r.params for r in requests])
+
+    def uniform(self, request: Request) -> float:
+        """One uniform number from the request's generator (rejection sampling of drafts)."""
+        return float(torch.rand(1, generator=self.generator_for(request), device=self.device))
+
+    def draw(self, probs: torch.Tensor, request: Request) -> int:
+        """A token from one distribution ``[vocab]``, with the request's generator."""
+        uniform = torch.rand(1, generator=self.generator_for(request), device=self.device)
+        return int(self._inverse_cdf(probs[None], uniform)[0])
+
+    @staticmethod
+    def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        cdf = probs.cumsum(-1)
+        chosen = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+        # Never land on a zero-probability token through rounding at the top of the CDF.
+        return torch.where(probs.gather(1, chosen.clamp(max=probs.shape[1] - 1)[:, None])[:, 0] > 0,
+                           chosen, probs.argmax(-1)).clamp(max=probs.shape[1] - 1)
 
     def process(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> torch.Tensor:
         """The requests' processors, then the plugins', on a copy of raw ``logits``."""

@@ -14,7 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from zoo.block_manager import BlockManager
-from zoo.request import DraftTree, Request, Status
+from zoo.decoding import DraftBlock
+from zoo.request import Request, Status
 
 
 @dataclass
@@ -22,7 +23,7 @@ class ScheduledRequest:
     request: Request
     start: int  # cache index of the first token computed this step
     num_tokens: int  # committed tokens computed this step
-    draft: DraftTree | None = None
+    draft: DraftBlock | None = None
     # True when this step reaches the request's last token, so it yields logits. Fixed when
     # scheduled: committing the step's tokens later must not change what the step was.
     samples: bool = field(init=False)
@@ -54,7 +55,7 @@ class Scheduler:
         """Running requests whose next step is a single-token decode."""
         return [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
 
-    def schedule(self, drafts: dict[int, DraftTree] | None = None) -> list[ScheduledRequest]:
+    def schedule(self, drafts: dict[int, DraftBlock] | None = None) -> list[ScheduledRequest]:
         drafts = drafts or {}
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []

@@ -7,9 +7,9 @@ partial result with its log-sum-exp; the splits are merged afterwards. Long
 contexts thus spread over the GPU even at batch 1.
 
 Each query token sees cache indices ``j <= query_cache_index[t]`` and
-``j < context_lens[seq]``; inside a draft tree (``j >= draft_start[seq]``)
-only the offsets set in ``tree_bits[t]`` (bit ``j - draft_start``). That is
-the same rule the SDPA path builds as a dense mask.
+``j < context_lens[seq]``; inside a draft block (``j >= draft_start[seq]``)
+only the draft tokens ``j - draft_start`` set in row ``t`` of ``draft_visible``
+(its ancestors). That is the same rule the SDPA path builds as a dense mask.
 
 Shapes and strides are fixed per launch configuration, so the kernel is
 captured inside the decode CUDA graphs.
@@ -43,11 +43,11 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         Q, KCache, VCache, OutPartial, LsePartial,
-        BlockTables, ContextLens, TokenSeq, QueryCacheIndex, DraftStart, TreeBits,
+        BlockTables, ContextLens, TokenSeq, QueryCacheIndex, DraftStart, DraftVisible,
         scale,
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
-        stride_bt,
+        stride_bt, stride_vt,
         stride_ot, stride_oh, stride_os,
         stride_lt, stride_lh,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -73,7 +73,6 @@ if triton is not None:
                         mask=group_mask[:, None], other=0.0)
             if HAS_TREE:
                 draft_start = tl.load(DraftStart + seq)
-                bits = tl.load(TreeBits + token)
 
             m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
             l = tl.zeros([GROUP_PAD], tl.float32)
@@ -97,8 +96,8 @@ if triton is not None:
                     if HAS_TREE:
                         offset = positions - draft_start
                         in_tree = offset >= 0
-                        allowed = ((bits >> tl.minimum(tl.maximum(offset, 0), 63).to(tl.int64)) & 1) == 1
-                        valid = valid & (~in_tree | allowed)
+                        sees = tl.load(DraftVisible + token * stride_vt + offset, mask=valid & in_tree, other=0)
+                        valid = valid & (~in_tree | (sees != 0))
                     s = tl.where(valid[None, :], s, float("-inf"))
                     m_new = tl.maximum(m, tl.max(s, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -140,8 +139,13 @@ if triton is not None:
 
 
 def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
-                           draft_start, tree_bits, scale: float, has_tree: bool) -> torch.Tensor:
-    """q: [T, H, D]; caches: [blocks, block_size, Hkv, D]; returns [T, H, D] in q's dtype."""
+                           draft_start, draft_visible, scale: float, has_tree: bool) -> torch.Tensor:
+    """q: [T, H, D]; caches: [blocks, block_size, Hkv, D]; draft_visible: [T, max_draft] int8 or None.
+
+    Returns [T, H, D] in q's dtype.
+    """
+    if draft_visible is None:  # no drafts this step: the kernel never reads it
+        draft_visible = token_seq[:, None]
     tokens, heads, head_dim = q.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
@@ -152,11 +156,11 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         q = q.contiguous()
     _paged_decode_kernel[(tokens, kv_heads, num_splits)](
         q, key_cache, value_cache, out_partial, lse_partial,
-        block_tables, context_lens, token_seq, query_cache_index, draft_start, tree_bits,
+        block_tables, context_lens, token_seq, query_cache_index, draft_start, draft_visible,
         scale,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), draft_visible.stride(0),
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),

@@ -1,6 +1,7 @@
 """A zoo plugin that forbids repeating n-grams (``processor=no_repeat_ngram``).
 
-When the run config selects ``processor=no_repeat_ngram``, every token that
+The plugin takes part only when the run config selects
+``processor=no_repeat_ngram`` (``zoo_scope``); then every token that
 would complete an n-gram of ``processor.ngram_size`` tokens already present in
 the request's sequence (prompt plus the tokens generated so far) gets logit
 ``-inf``, as transformers' ``no_repeat_ngram_size`` does.
@@ -9,8 +10,8 @@ Hooks used:
 
 * ``zoo_config_register``: adds the option ``no_repeat_ngram`` to the Hydra
   group ``processor``.
-* ``zoo_model_modify``: the one hook that sees the run config at start-up;
-  used only to reject a bad ``ngram_size`` before any request runs.
+* ``zoo_engine_start``: reads ``processor.ngram_size`` once and rejects a bad
+  one before any request runs.
 * ``zoo_logits_process``: masks the banned tokens of each logits row.
 * ``zoo_request_finished``: drops the request's n-gram index.
 """
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from zoo import ZooError, hookimpl
+from zoo import Scope, ZooError, hookimpl
 
 NAME = "no_repeat_ngram"
+zoo_scope = Scope(option=f"processor={NAME}")
 DEFAULT_NGRAM_SIZE = 3
 
 
@@ -50,15 +52,8 @@ class NgramIndex:
         return self.followers.get(tuple(tokens[len(tokens) - n + 1:]), set())
 
 
-def _ngram_size(config) -> int | None:
-    """``processor.ngram_size`` when this processor is selected, else ``None``."""
-    processor = config.get("processor") if config is not None else None
-    if not processor or processor.get("name") != NAME:
-        return None
-    size = processor.get("ngram_size", DEFAULT_NGRAM_SIZE)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ZooError(f"processor.ngram_size={size!r} must be an integer >= 1")
-    return size
+def _ngram_size(engine) -> int:
+    return engine.config["processor"].get("ngram_size", DEFAULT_NGRAM_SIZE)
 
 
 @hookimpl
@@ -67,15 +62,15 @@ def zoo_config_register(config_store):
 
 
 @hookimpl
-def zoo_model_modify(config):
-    _ngram_size(config)  # fail at start-up, not in the middle of sampling
+def zoo_engine_start(engine):
+    size = _ngram_size(engine)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ZooError(f"processor.ngram_size={size!r} must be an integer >= 1")  # at start, not mid-sampling
 
 
 @hookimpl
 def zoo_logits_process(logits, requests, histories, engine):
-    size = _ngram_size(getattr(engine, "config", None))
-    if size is None:
-        return
+    size = _ngram_size(engine)
     # histories, not request.token_ids: under speculative decoding a row may follow draft tokens
     # accepted earlier in the same step, which are not committed yet.
     for row, request, history in zip(logits, requests, histories):

@@ -1,0 +1,101 @@
+"""After the forward pass: choose each request's tokens, commit them, and stop requests that are done."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from zoo.decoding import verify
+from zoo.request import Request, TokenHistories
+from zoo.sampler import Sampler
+from zoo.scheduler import ScheduledRequest
+from zoo.step import SequenceResult, StepBatch, StepOutput
+
+
+class Committer:
+    def __init__(self, engine):
+        self.engine = engine
+        self.hooks = engine.hooks
+        self.sampler: Sampler = engine.sampler
+        self.token_hooks = bool(self.hooks.zoo_token_generated.get_hookimpls())  # skip a per-token no-op call
+
+    def commit_step(self, batch: StepBatch, output: StepOutput) -> list[SequenceResult]:
+        """Sample the plain rows together, verify the drafted ones, and commit every request's tokens."""
+        plain = [i for i, e in enumerate(batch.scheduled) if e.samples and e.draft is None]
+        chosen = {}
+        if plain:
+            requests = [batch.scheduled[i].request for i in plain]
+            row_ids = [batch.logits_rows[i][0] for i in plain]
+            if row_ids == list(range(row_ids[0], row_ids[0] + len(row_ids))):
+                rows = output.logits[row_ids[0]:row_ids[0] + len(row_ids)]  # a view: no gather (all decode steps)
+            else:
+                rows = output.logits[row_ids]
+            chosen = dict(zip(plain, self.sampler.select(rows, requests, TokenHistories(requests))))
+        return [self._advance(entry, offset, output.logits, rows, chosen.get(i))
+                for i, (entry, offset, rows) in enumerate(zip(batch.scheduled, batch.token_offsets, batch.logits_rows))]
+
+    def _advance(self, entry: ScheduledRequest, offset: int, logits: torch.Tensor, rows: list[int],
+                 token: int | None) -> SequenceResult:
+        """Commit what one request got from this step; ``token`` is already chosen unless it drafted."""
+        engine, request = self.engine, entry.request
+        request.num_computed_tokens = entry.start + entry.num_tokens
+        token_rows = list(range(offset, offset + entry.num_tokens))
+        if not entry.samples:
+            engine.blocks.register_full_blocks(request)
+            return SequenceResult(request, [], token_rows, entry.start)
+        if entry.draft is None:
+            tokens, logits_rows = [token], [rows[0]]
+        else:
+            accepted, token = verify(request, entry.draft, logits[rows], self.sampler)
+            tokens = [entry.draft.tokens[i] for i in accepted] + [token]
+            logits_rows = [rows[0]] + [rows[1 + i] for i in accepted]
+            first = entry.start + entry.num_tokens
+            engine.runner.kv.move_entries(request.block_ids, [first + i for i in accepted],
+                                          [first + m for m in range(len(accepted))])
+            request.num_computed_tokens = first + len(accepted)
+            token_rows += [offset + entry.num_tokens + i for i in accepted]
+        committed = []
+        stop_ids = self.sampler.stop_ids(request)
+        for token, row in zip(tokens, logits_rows):
+            self._commit(request, token, logits, row, stop_ids)
+            committed.append(token)
+            if request.is_finished:
+                break
+        # A draft token kept after a stop was never part of the output: forget its K/V too.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        token_rows = token_rows[:len(token_rows) - (len(tokens) - len(committed))]
+        if request.is_finished:
+            engine.finish(request)
+        else:
+            engine.blocks.trim(request, request.num_tokens)
+            engine.blocks.register_full_blocks(request)
+        return SequenceResult(request, committed, token_rows, entry.start)
+
+    def _commit(self, request: Request, token: int, logits: torch.Tensor, row: int, stop_ids: set[int]) -> None:
+        stats = self.engine.stats
+        request.output_token_ids.append(token)
+        stats.generated_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+            stats.time_to_first_token.append(request.first_token_time - request.arrival_time)
+        if request.params.logprobs is not None:
+            request.output_logprobs.append(Sampler.logprobs(logits[row], token, request.params.logprobs))
+        params = request.params
+        generated = len(request.output_token_ids)
+        if token in stop_ids and generated >= params.min_new_tokens:
+            request.finish("stop")
+        elif self.token_hooks and any(self.hooks.zoo_token_generated(request=request, token_id=token)):
+            request.finish("stop")
+        elif params.stop and self._cut_at_stop_string(request):
+            request.finish("stop")
+        elif generated >= params.max_new_tokens or request.num_tokens >= self.engine.max_model_len:
+            request.finish("length")
+
+    def _cut_at_stop_string(self, request: Request) -> bool:
+        text = self.engine.tokenizer.decode(request.output_token_ids)
+        hits = [(text.find(s), s) for s in request.params.stop if s in text]
+        if not hits:
+            return False
+        request.output_text = text[:min(hits)[0]]
+        return True

@@ -1,0 +1,171 @@
+"""Decoding methods: draft blocks proposed by one registered method, verified by the core.
+
+``decoding=NAME`` picks the method a plugin registered under that name
+(``zoo_decoding_methods``); ``none`` is plain decoding and allocates no draft
+buffers. Before each step the method proposes a :class:`DraftBlock` per
+decoding sequence; the core runs every sequence's block in the same forward
+pass, keeps the longest path the target model agrees with, rolls back the KV
+of the rest, and reports the outcome through ``zoo_step_results``.
+
+Acceptance keeps the target distribution. Without draft probabilities the
+target picks its token at each node (greedy, or sampled with the request's
+generator) and a child holding that token is accepted. With them, a node's
+children are tried in turn by rejection sampling (accept ``x`` with
+probability ``min(1, p(x) / q(x))``, else continue with ``norm(max(p - q, 0))``),
+which also accepts tokens the target would not have drawn itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from zoo.errors import ZooError
+
+if TYPE_CHECKING:
+    from zoo.request import Request
+    from zoo.sampler import Sampler
+
+
+@dataclass
+class DraftBlock:
+    """Draft tokens proposed for one sequence.
+
+    ``parents[i]`` is the draft index of token ``i``'s parent, or -1 for the last
+    committed token; parents come before children, and a token sees exactly its
+    ancestors (the visibility mask of a tree). ``position_offsets[i]`` is its
+    position relative to the last committed token's (default: its depth).
+    ``probs[i]`` is the distribution token ``i`` was drawn from, for rejection
+    sampling (``[len(tokens), vocab]``; None: acceptance by matching).
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    position_offsets: list[int] | None = None
+    probs: torch.Tensor | None = None
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "DraftBlock":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs=probs)
+
+    def depth(self, i: int) -> int:
+        d = 1
+        while self.parents[i] >= 0:
+            i, d = self.parents[i], d + 1
+        return d
+
+    def offset(self, i: int) -> int:
+        return self.position_offsets[i] if self.position_offsets is not None else self.depth(i)
+
+    def ancestors(self, i: int) -> list[int]:
+        """Draft indices on the path from the root to ``i``, inclusive."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def within(self, max_offset: int) -> "DraftBlock | None":
+        """The tokens whose path stays at position offsets <= ``max_offset`` (renumbered), or None."""
+        keep = [i for i in range(len(self.tokens)) if all(self.offset(a) <= max_offset for a in self.ancestors(i))]
+        if not keep:
+            return None
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftBlock([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
+                          None if self.position_offsets is None else [self.position_offsets[i] for i in keep],
+                          None if self.probs is None else self.probs[keep])
+
+
+class DecodingMethod:
+    """A way to propose drafts; plugins subclass it and register a factory in ``zoo_decoding_methods``.
+
+    ``max_draft_tokens`` is the largest block the method proposes for one sequence;
+    the runner sizes its draft buffers from it once.
+    """
+
+    name = "method"
+    max_draft_tokens = 0
+
+    def propose(self, requests: list["Request"]) -> dict[int, DraftBlock]:
+        """Draft blocks by request id for some of ``requests`` (each about to decode one token)."""
+        raise NotImplementedError
+
+
+def choose_method(hooks, name: str, engine) -> DecodingMethod | None:
+    """The method ``decoding=name`` selects, built once; None for plain decoding."""
+    registry: dict[str, tuple[str, object]] = {}
+    for impl in hooks.zoo_decoding_methods.get_hookimpls():
+        for method_name, factory in (impl.function() or {}).items():
+            if method_name in registry:
+                raise ZooError(f"plugins {registry[method_name][0]!r} and {impl.plugin_name!r} both register "
+                               f"decoding method {method_name!r}")
+            registry[method_name] = (impl.plugin_name, factory)
+    if name in (None, "none"):
+        return None
+    if name not in registry:
+        raise ZooError(f"decoding={name}: no plugin that takes part registers it "
+                       f"(registered: {', '.join(sorted(registry)) or 'none'})")
+    method = registry[name][1](engine)
+    if not isinstance(method.max_draft_tokens, int) or method.max_draft_tokens < 1:
+        raise ZooError(f"decoding method {name!r} declares max_draft_tokens={method.max_draft_tokens!r}; "
+                       "it must be a positive integer")
+    return method
+
+
+def fit_drafts(method: DecodingMethod, drafts: dict[int, DraftBlock], requests: list["Request"],
+               max_model_len: int) -> dict[int, DraftBlock]:
+    """Check a method's drafts and cut them where they would pass the model's last position."""
+    fitted = {}
+    for request in requests:
+        draft = drafts.get(request.request_id)
+        if draft is None:
+            continue
+        if len(draft.tokens) > method.max_draft_tokens:
+            raise ZooError(f"decoding method {method.name!r} proposed {len(draft.tokens)} draft tokens; "
+                           f"its max_draft_tokens is {method.max_draft_tokens}")
+        # A draft token at offset d sits at position num_tokens - 1 + d.
+        draft = draft.within(max_model_len - request.num_tokens)
+        if draft is not None:
+            fitted[request.request_id] = draft
+    return fitted
+
+
+def verify(request: "Request", draft: DraftBlock, logits: torch.Tensor, sampler: "Sampler") -> tuple[list[int], int]:
+    """``(accepted draft indices along one path, the next token after them)``.
+
+    ``logits`` are ``[1 + len(draft), vocab]``: row 0 after the last committed
+    token, row ``1 + i`` after draft token ``i``.
+    """
+    accepted, node, history = [], -1, list(request.token_ids)
+    rejection = draft.probs is not None and request.params.temperature > 0
+    while True:
+        row = logits[node + 1:node + 2]
+        children = draft.children(node)
+        if rejection and children:
+            child, token = _rejection_step(request, draft, children, sampler.probs(row, [request], [history])[0],
+                                           sampler)
+        else:
+            token = sampler.select(row, [request], [history])[0]
+            child = next((c for c in children if draft.tokens[c] == token), None)
+        if child is None:
+            return accepted, token
+        accepted.append(child)
+        history.append(token)
+        node = child
+
+
+def _rejection_step(request, draft: DraftBlock, children: list[int], target: torch.Tensor, sampler):
+    """Try ``children`` in turn against the target distribution: (accepted child or None, token)."""
+    for child in children:
+        token, proposal = draft.tokens[child], draft.probs[child].to(target)
+        if sampler.uniform(request) * float(proposal[token]) < float(target[token]):
+            return child, token
+        residual = (target - proposal).clamp(min=0)
+        if float(residual.sum()) > 0:  # else the two agree everywhere: keep the target as it is
+            target = residual / residual.sum()
+    return None, sampler.draw(target, request)

@@ -1,0 +1,61 @@
+"""What plugins may add at engine start (``zoo_engine_start``), and the run's device and dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zoo.errors import ZooError
+from zoo.step import BufferSpec
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def device_and_dtype(runtime) -> tuple[torch.device, torch.dtype]:
+    device_name = runtime["device"]
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    dtype_name = runtime["dtype"]
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype_name not in DTYPES:
+        raise ZooError(f"runtime.dtype={dtype_name!r} is not one of {', '.join(DTYPES)} or auto")
+    return device, DTYPES[dtype_name]
+
+
+class EngineSetup:
+    """Handed to ``zoo_engine_start``: the model runner exists, the KV cache is not sized yet."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    @property
+    def limits(self):
+        """The runner's :class:`zoo.model_runner.RunnerLimits` (tokens, sequences, blocks per step)."""
+        return self.runner.limits
+
+    def add_buffer(self, spec: BufferSpec) -> torch.Tensor:
+        """A static per-step tensor of the largest shape; each step sees it cut to its size. Returns it whole."""
+        try:
+            self.runner.add_buffer(spec)
+        except ValueError as exc:
+            raise ZooError(str(exc)) from None
+        return self.runner.buffers[spec.name]
+
+    def add_kv_layers(self, modules: list[nn.Module]) -> None:
+        """Give attention modules (a draft model's) cache layers from the model's block pool.
+
+        Each gets ``.kv_cache`` (``[2, blocks + 1, block_size, kv_heads, head_dim]``, re-set
+        whenever the cache is allocated) and is addressed by the step's block tables and
+        slot mapping, like the model's own layers; it counts in the cache's memory budget.
+        """
+        self.runner.kv.add_layers(list(modules))
+
+    def capture_layers(self, indices) -> None:
+        """Keep these decoder layers' outputs each step (``StepResults.layer_states``)."""
+        num_layers = self.runner.description.num_layers
+        bad = [i for i in indices if not (isinstance(i, int) and 0 <= i < num_layers)]
+        if bad:
+            raise ZooError(f"cannot capture layers {bad}: the model has layers 0..{num_layers - 1}")
+        self.runner.model.captured_layers = self.runner.model.captured_layers | frozenset(indices)

@@ -1,0 +1,112 @@
+"""A request's way into the engine: fields, tokens, prompt transform, checks, admission.
+
+Every step may reject the request; a rejected request comes back finished
+with ``finish_reason: error`` and its message, ``zoo_request_finished`` runs
+for it like for any other, and the rest of the batch never sees it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from zoo.errors import RequestError, ZooError
+from zoo.request import Request
+from zoo.sampling_params import SamplingParams
+
+
+class RequestIntake:
+    def __init__(self, engine):
+        self.engine = engine
+        self.hooks = engine.hooks
+        self.fields = {f for fields in self.hooks.zoo_request_fields() for f in fields or []}
+        # Fields only plugins that sit this run out read: worth naming in the error.
+        self.inactive_readers = {f: status for status in engine.plugins if not status.active
+                                 for f in status.request_fields}
+        self.next_id = 0
+
+    def _new(self, params: SamplingParams, **kwargs) -> Request:
+        request = Request(self.next_id, [], params, **kwargs)
+        self.next_id += 1
+        return request
+
+    def reject(self, message: str, output_id=None, request: Request | None = None) -> Request:
+        """Finish ``request`` (or a new empty one) with an error; plugins hear of it."""
+        request = request or self._new(SamplingParams(), output_id=output_id)
+        request.finish("error", message)
+        self.hooks.zoo_request_finished(request=request)
+        return request
+
+    def add(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
+            extras: dict) -> Request:
+        request = self._new(params, prompt=prompt, extras=dict(extras))
+        try:
+            self._check_fields(request)
+            request.input_token_ids = self._tokens(prompt, prompt_token_ids)
+            request.prompt_token_ids = list(request.input_token_ids)
+            self.hooks.zoo_prompt_transform(request=request)
+            self._check(request)
+            self._admit(request)
+        except ZooError as exc:
+            return self.reject(str(exc), request=request)
+        if request.is_finished:  # a plugin rejected it while admitting
+            self.hooks.zoo_request_finished(request=request)
+            return request
+        request.arrival_time = time.perf_counter()
+        self.engine.stats.prompt_tokens += len(request.prompt_token_ids)
+        self.engine.scheduler.add(request)
+        return request
+
+    def _check_fields(self, request: Request) -> None:
+        unknown = sorted(set(request.extras) - self.fields)
+        if unknown:
+            known = sorted(self.fields)
+            why = [f"{f} is read by plugin {s.name}, which does not take part in this run ({s.reason})"
+                   for f, s in ((f, self.inactive_readers.get(f)) for f in unknown) if s is not None]
+            raise RequestError(f"unknown request field(s): {', '.join(unknown)}"
+                               + (f" (plugins read: {', '.join(known)})" if known else "")
+                               + (f"; {'; '.join(why)}" if why else ""))
+
+    def _tokens(self, prompt, prompt_token_ids) -> list[int]:
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise RequestError("a request needs `prompt` (text) or `prompt_ids` (list of token ids)")
+            prompt_token_ids = self.engine.tokenizer.encode(prompt)
+        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise RequestError("prompt_ids must be a list of integers")
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        return list(prompt_token_ids)
+
+    def _check(self, request: Request) -> None:
+        engine, prompt = self.engine, request.prompt_token_ids
+        vocab = engine.description.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt) >= engine.max_model_len:
+            added = len(prompt) - len(request.input_token_ids)
+            raise RequestError(f"the prompt has {len(prompt)} tokens" + (f" ({added} added by plugins)" if added else "")
+                               + f"; the model's limit is {engine.max_model_len} tokens including at least one "
+                               "generated")
+        request.params.validate(vocab)
+        needed = engine.blocks.blocks_needed(min(len(prompt) + request.params.max_new_tokens, engine.max_model_len))
+        if needed > engine.num_blocks:
+            raise RequestError(f"the request needs {needed} KV blocks of {engine.block_size} tokens, the cache has "
+                               f"{engine.num_blocks}; raise runtime.num_kv_blocks or lower max_new_tokens")
+        errors = [e for e in self.hooks.zoo_request_validate(request=request, description=engine.description) if e]
+        if errors:
+            raise RequestError("; ".join(errors))
+
+    def _admit(self, request: Request) -> None:
+        prefix = self.hooks.zoo_request_bidirectional_prefix(request=request) or 0
+        budget = self.engine.scheduler.max_num_batched_tokens
+        if prefix > budget:
+            raise RequestError(f"the prompt's bidirectional context has {prefix} tokens, more than one step "
+                               f"computes (runtime.max_num_batched_tokens={budget}); raise it")
+        request.bidirectional_prefix = prefix
+        parts = [p for p in self.hooks.zoo_request_cache_key(request=request) if p is not None]
+        if prefix:
+            parts.append(("bidirectional", tuple(request.prompt_token_ids[:prefix])))
+        request.cache_key = tuple(sorted(parts, key=repr))
+        self.hooks.zoo_request_admit(request=request, engine=self.engine)

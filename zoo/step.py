@@ -1,0 +1,80 @@
+"""What one step is, as it travels from the runner to the engine and the plugins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zoo.model import AttentionMetadata
+from zoo.request import Request
+from zoo.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A per-step tensor: ``shape`` is its largest size; dim ``step_dim`` is cut to the step."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.int64
+    step_dim: int = 0  # which dimension follows the step's token (or sequence) count
+    per: str = "token"  # "token" | "seq": what that dimension counts
+    fill: float = 0
+
+
+@dataclass
+class StepBatch:
+    """What one forward pass computes: the scheduled requests and where their tokens sit."""
+
+    scheduled: list[ScheduledRequest]
+    num_tokens: int
+    token_offsets: list[int]  # first query token of each scheduled request
+    logits_rows: list[list[int]] = field(default_factory=list)  # per request: rows of the step's logits
+    logits_indices: list[int] = field(default_factory=list)  # token row of each logits row
+    attention: AttentionMetadata | None = None  # None when a captured graph runs the step
+    graph_size: int | None = None  # the captured batch size this step replays, or None (eager)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"token": self.num_tokens, "seq": len(self.scheduled)}
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [rows, vocab] float32, rows in StepBatch.logits_rows order
+    hidden: torch.Tensor  # [num_tokens (or graph size), hidden_size] after the final norm
+    layer_outputs: dict[int, torch.Tensor]  # captured decoder layers' outputs, same rows as hidden
+
+
+@dataclass
+class SequenceResult:
+    """One request's part of a step.
+
+    ``rows`` are the step's token rows whose K/V the cache kept, in cache order from
+    cache index ``first_index`` (a prefill chunk's tokens, or the last committed token
+    and the accepted drafts). The hidden state of ``rows[-len(new_tokens) + i]`` is
+    the one that predicted ``new_tokens[i]``.
+    """
+
+    request: Request
+    new_tokens: list[int]
+    rows: list[int]
+    first_index: int
+
+
+@dataclass
+class StepResults:
+    sequences: list[SequenceResult]
+    output: StepOutput
+
+    def hidden_states(self, rows: list[int]) -> torch.Tensor:
+        """Final hidden states of token ``rows``, ``[len(rows), hidden_size]``, on the device."""
+        return self.output.hidden[torch.tensor(rows, device=self.output.hidden.device)]
+
+    def layer_states(self, layer: int, rows: list[int]) -> torch.Tensor:
+        """Outputs of decoder layer ``layer`` (captured at engine start) at token ``rows``."""
+        if layer not in self.output.layer_outputs:
+            raise KeyError(f"layer {layer} is not captured: ask for it with setup.capture_layers at engine start")
+        states = self.output.layer_outputs[layer]
+        return states[torch.tensor(rows, device=states.device)]

@@ -1,0 +1,126 @@
+"""Laying a scheduled step out as flat per-token and per-sequence lists, then into the static buffers.
+
+Tokens are ragged: a request contributes its committed tokens of this step
+(a prefill chunk, or one decode token) followed by its draft tokens. Each
+token gets an id, position rows, the cache slot it writes, its sequence, its
+index among that sequence's queries and the last cache index it may see; a
+draft token also sees exactly its ancestors among the drafts.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from zoo.scheduler import ScheduledRequest
+
+
+def int64_tensor(values) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints: through ``array`` it is several times faster than ``torch.tensor``."""
+    return torch.frombuffer(values if isinstance(values, array) else array("q", values), dtype=torch.int64)
+
+
+def padded_rows(rows: list[list[int]], width: int) -> torch.Tensor:
+    """``[len(rows), width]`` int64, each row zero-padded on the right."""
+    flat, zeros = array("q"), array("q", bytes(8 * width))
+    for row in rows:
+        flat.extend(row)
+        flat.extend(zeros[:width - len(row)])
+    return int64_tensor(flat).view(len(rows), width)
+
+
+def _fill(buffer: torch.Tensor, values: list) -> None:
+    if values:
+        buffer[:len(values)].copy_(int64_tensor(values), non_blocking=True)
+
+
+class StepLayout:
+    def __init__(self, position_rows: int, block_size: int):
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[list[int]] = [[] for _ in range(position_rows)]
+        self.slots: list[int] = []
+        self.token_seq: list[int] = []
+        self.query_index: list[int] = []
+        self.logits_indices: list[int] = []
+        self.offsets: list[int] = []
+        self.logits_rows: list[list[int]] = []
+        self.visible_rows: list[list[int]] = []  # per sequence: the last cache index each of its tokens sees
+        self.context_lens: list[int] = []
+        self.draft_starts: list[int] = []
+        self.draft_visible: list[tuple[int, int]] = []  # (token row, draft index) pairs a draft token sees
+        self.has_drafts = False
+
+    def add_decode_token(self, b: int, entry: ScheduledRequest) -> None:
+        """The common case at large batch (one committed token, no drafts, default positions), unrolled."""
+        request, i = entry.request, entry.start
+        self.offsets.append(len(self.input_ids))
+        self.logits_rows.append([len(self.logits_indices)] if entry.samples else [])
+        if entry.samples:
+            self.logits_indices.append(len(self.input_ids))
+        self.input_ids.append(request.token_at(i))
+        self.positions[0].append(i)
+        self.slots.append(request.block_ids[i // self.block_size] * self.block_size + i % self.block_size)
+        self.token_seq.append(b)
+        self.query_index.append(0)
+        self.visible_rows.append([i])
+        self.context_lens.append(i + 1)
+        self.draft_starts.append(i + 1)
+
+    def add_entry(self, b: int, entry: ScheduledRequest, positions_of) -> None:
+        """Any entry: a chunk of committed tokens, then its draft block if it has one."""
+        request, draft = entry.request, entry.draft
+        first_row, first_draft = len(self.input_ids), entry.start + entry.num_tokens
+        self.offsets.append(first_row)
+        cache_index = list(range(entry.start, first_draft))
+        tokens = request.token_slice(entry.start, first_draft)
+        position_index = list(cache_index)
+        if draft is not None:
+            self.has_drafts = True
+            tokens += draft.tokens
+            cache_index += range(first_draft, first_draft + len(draft.tokens))
+            position_index += [request.num_tokens - 1 + draft.offset(i) for i in range(len(draft.tokens))]
+            for i in range(len(draft.tokens)):
+                row = first_row + entry.num_tokens + i
+                self.draft_visible += [(row, a) for a in draft.ancestors(i)]
+        for row, values in zip(self.positions, positions_of(request, position_index)):
+            row.extend(values)
+        if entry.samples:  # the last committed token and every draft token give logits
+            rows = range(first_row + entry.num_tokens - 1, first_row + len(tokens))
+            self.logits_rows.append(list(range(len(self.logits_indices), len(self.logits_indices) + len(rows))))
+            self.logits_indices += rows
+        else:
+            self.logits_rows.append([])
+        bs = self.block_size
+        self.input_ids += tokens
+        self.slots += [request.block_ids[i // bs] * bs + i % bs for i in cache_index]
+        self.token_seq += [b] * len(tokens)
+        self.query_index += range(len(tokens))
+        # Tokens inside a bidirectional prefix (all computed in this step) see up to its end.
+        last = request.bidirectional_prefix - 1
+        self.visible_rows.append([max(i, last) for i in cache_index] if entry.start <= last else cache_index)
+        self.context_lens.append(cache_index[-1] + 1)
+        self.draft_starts.append(first_draft if draft is not None else cache_index[-1] + 1)
+
+    def write(self, buffers: dict[str, torch.Tensor], block_ids: list[list[int]]) -> tuple[int, int]:
+        """Copy the lists into the static buffers; returns (longest query, widest block table)."""
+        for name, values in (("input_ids", self.input_ids), ("slot_mapping", self.slots),
+                             ("token_seq", self.token_seq), ("token_query_index", self.query_index),
+                             ("logits_indices", self.logits_indices), ("context_lens", self.context_lens),
+                             ("draft_start", self.draft_starts),
+                             ("token_cache_index", [i for row in self.visible_rows for i in row])):
+            _fill(buffers[name], values)
+        for r, row in enumerate(self.positions):
+            _fill(buffers["positions"][r], row)
+        if self.has_drafts:
+            visible = buffers["draft_visible"]
+            visible[:len(self.input_ids)].zero_()
+            rows, columns = zip(*self.draft_visible)
+            visible[int64_tensor(rows).to(visible.device), int64_tensor(columns).to(visible.device)] = 1
+        max_query = max(len(r) for r in self.visible_rows)
+        num_blocks = max(len(b) for b in block_ids)
+        num_seqs = len(block_ids)
+        buffers["block_tables"][:num_seqs, :num_blocks].copy_(padded_rows(block_ids, num_blocks))
+        buffers["query_cache_index"][:num_seqs, :max_query].copy_(padded_rows(self.visible_rows, max_query))
+        return max_query, num_blocks
