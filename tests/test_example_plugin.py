@@ -97,7 +97,7 @@ def test_bad_ngram_size_is_a_config_error(installed, tmp_path):
 def test_plugin_is_listed_with_its_distribution(installed, tmp_path):
     result = run_module(installed, tmp_path, "zoo.plugins")
     assert result.returncode == 0, result.stderr
-    blocks = {block.splitlines()[0]: block for block in _split_blocks(result.stdout)}
+    blocks = {block.splitlines()[0].split(":")[0]: block for block in _split_blocks(result.stdout)}
     assert "no_repeat_ngram" in blocks, result.stdout
     block = blocks["no_repeat_ngram"]
     assert "module: zoo_no_repeat_ngram" in block

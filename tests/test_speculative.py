@@ -178,3 +178,119 @@ def test_draft_tree_depth_cut_keeps_structure():
     cut = tree.within(2)
     assert cut.tokens == [10, 11, 12, 14] and cut.parents == [-1, 0, -1, 2]
     assert tree.within(0) is None
+
+
+class WideTree(OracleDrafter):
+    """63 draft tokens: 59 wrong siblings at depth 1, then the right chain of 4 (as wide as a Medusa tree)."""
+
+    name = "wide_tree"
+
+    def propose(self, requests):
+        drafts = {}
+        for request in requests:
+            future = self.references[tuple(request.prompt_token_ids)][len(request.output_token_ids):][:4]
+            if len(future) < 4:
+                continue
+            wrong = [t for t in range(VOCAB_WIDE) if t != future[0]][:59]
+            tokens = wrong + future
+            parents = [-1] * 59 + [-1, 59, 60, 61]
+            drafts[request.request_id] = DraftBlock(tokens, parents)
+            self.proposed += len(tokens)
+        return drafts
+
+
+VOCAB_WIDE = 100
+
+
+def test_a_draft_block_of_63_tokens(llama):
+    folder, prompts, references = llama
+    drafter = WideTree(references, "tree", max_draft_tokens=63)
+    llm = llm_with(drafter, str(folder), block_size=16)
+    assert llm.engine.runner.buffers["draft_visible"].shape[1] == 63  # sized from the method
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == references[tuple(prompt)]
+    assert drafter.proposed > 0 and llm.engine.stats.steps < 1 + MAX_NEW - 1 + len(prompts)
+
+
+def test_plain_decoding_allocates_no_draft_buffers():
+    llm = LLM()
+    assert llm.engine.decoding is None and llm.engine.runner.limits.max_draft_tokens == 0
+    assert "draft_visible" not in llm.engine.runner.buffers
+
+
+def test_decoding_names_are_checked():
+    import zoo
+
+    with pytest.raises(zoo.ZooError, match=r"decoding=nosuch: no plugin that takes part registers it \(registered: a\)"):
+        LLM(plugins=[with_method("a", OracleDrafter({}, "chain"))], overrides=["decoding.name=nosuch"])
+    with pytest.raises(zoo.ZooError, match="both register decoding method 'a'"):
+        second = with_method("a", OracleDrafter({}, "chain"))
+        second.name = "also_registers_a"
+        LLM(plugins=[with_method("a", OracleDrafter({}, "chain")), second])
+
+
+class ProbabilisticDrafter(DecodingMethod):
+    """Draws a chain of two tokens from its own distributions q (six candidates each) and hands q to the core."""
+
+    name = "probabilistic"
+    max_draft_tokens = 2
+
+    def __init__(self, model):
+        self.model, self.generator = model, torch.Generator().manual_seed(5)
+        self.q_cache, self.proposed = {}, 0
+
+    def q(self, history: tuple) -> torch.Tensor:
+        if history not in self.q_cache:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([list(history)])).logits[0, -1]
+            candidates = torch.topk(logits, 6).indices
+            q = torch.zeros(logits.shape[0])
+            q[candidates] = torch.rand(6, generator=torch.Generator().manual_seed(len(self.q_cache))) + 0.2
+            self.q_cache[history] = q / q.sum()
+        return self.q_cache[history]
+
+    def propose(self, requests):
+        drafts = {}
+        for request in requests:
+            history, tokens, probs = tuple(request.token_ids), [], []
+            for _ in range(2):
+                q = self.q(history)
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                tokens.append(token)
+                probs.append(q)
+                history += (token,)
+            drafts[request.request_id] = DraftBlock.chain(tokens, probs=torch.stack(probs))
+            self.proposed += 1
+        return drafts
+
+
+def test_rejection_sampling_with_draft_probabilities_keeps_the_target_distribution(checkpoints):
+    """Chi-square of (token1, token2, token3): tokens 2 and 3 come from verifying a drafted chain with q."""
+    folder, model = checkpoints["llama"]
+    prompt = prompt_set()[0]
+    temperature, top_k, n = 1.5, 3, 1200
+
+    def top_k_probs(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1] / temperature
+        values, idx = torch.topk(logits, top_k)
+        return dict(zip(idx.tolist(), values.softmax(-1).tolist()))
+
+    exact = {}
+    for t1, p1 in top_k_probs(prompt).items():
+        for t2, p2 in top_k_probs(prompt + [t1]).items():
+            for t3, p3 in top_k_probs(prompt + [t1, t2]).items():
+                exact[(t1, t2, t3)] = p1 * p2 * p3
+    drafter = ProbabilisticDrafter(model)
+    llm = llm_with(drafter, str(folder), max_num_seqs=64, max_num_batched_tokens=1024)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k, seed=s)
+              for s in range(n)]
+    counts = {}
+    for out in llm.generate([prompt] * n, params):
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    # 26 degrees of freedom: P(chi2 > 54.05) = 0.001
+    assert chi2 < 54.05, (chi2, counts, exact)
+    assert drafter.proposed >= n and llm.engine.stats.steps < 2 * n  # drafts were verified, not dropped

@@ -65,11 +65,11 @@ class Committer:
         # A draft token kept after a stop was never part of the output: forget its K/V too.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         token_rows = token_rows[:len(token_rows) - (len(tokens) - len(committed))]
+        if not request.is_finished:
+            engine.blocks.trim(request, request.num_tokens)
+        engine.blocks.register_full_blocks(request)  # a finished request's blocks stay cached once freed
         if request.is_finished:
             engine.finish(request)
-        else:
-            engine.blocks.trim(request, request.num_tokens)
-            engine.blocks.register_full_blocks(request)
         return SequenceResult(request, committed, token_rows, entry.start)
 
     def _commit(self, request: Request, token: int, logits: torch.Tensor, row: int, stop_ids: set[int]) -> None:

@@ -1,22 +1,47 @@
-"""``python -m zoo.plugins``: list every registered plugin and its hooks."""
+"""``python -m zoo.plugins [OVERRIDES...]``: every plugin, and whether it takes part in that run and why.
+
+    python -m zoo.plugins                        # the default config (embedded Llama)
+    python -m zoo.plugins model=gpt2
+    python -m zoo.plugins model=qwen2_vl model.path=/ckpt/Qwen2-VL-2B
+"""
 
 import sys
 
 from zoo.errors import ZooError
-from zoo.plugins import describe_plugins, load_plugins
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    from zoo.config import compose_config
+    from zoo.loader import open_checkpoint
+    from zoo.plugins import describe_plugins, load_plugins, plan_plugins
+
     try:
-        pm = load_plugins()
+        config = compose_config(argv)
+        pm = load_plugins(disable=config["plugins"]["disable"] or ())
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for row in describe_plugins(pm):
-        print(f"{row['name']}\n  module: {row['module']}\n  from: {row['distribution']}\n"
-              f"  hooks: {', '.join(row['hooks']) or '(none)'}")
+    try:
+        architecture = open_checkpoint(config["model"], pm).description.architecture
+        print(f"model: {architecture}")
+    except ZooError as exc:
+        architecture = None
+        print(f"model: unknown ({exc})")
+    print(f"decoding: {config['decoding']['name']}  processor: {config['processor']['name']}\n")
+    try:
+        statuses = {row.name: row for row in plan_plugins(pm, config, architecture)}
+    except ZooError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    details = {row["name"]: row for row in describe_plugins(pm)}
+    for name, status in statuses.items():
+        print(f"{name}: {'ACTIVE' if status.active else 'inactive'} ({status.reason})")
+        row = details.get(name)
+        if row:
+            print(f"  module: {row['module']}\n  from: {row['distribution']}\n"
+                  f"  hooks: {', '.join(row['hooks']) or '(none)'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
