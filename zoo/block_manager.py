@@ -23,7 +23,7 @@ class BlockManager:
         self.block_hash: dict[int, int] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.hash_to_block: dict[int, int] = {}
-        self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens = 0  # prompt tokens admitted requests took from the cache (counted by the scheduler)
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,7 +88,6 @@ class BlockManager:
         request.num_hashed_blocks = len(request.block_ids)
         request.num_computed_tokens = len(request.block_ids) * self.block_size
         request.num_cached_prompt_tokens = request.num_computed_tokens
-        self.prefix_hit_tokens += request.num_computed_tokens
 
     def ensure_slots(self, request: Request, num_slots: int) -> bool:
         """Make room for ``num_slots`` cache entries; all or nothing."""

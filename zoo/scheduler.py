@@ -97,6 +97,8 @@ class Scheduler:
                 self._reset(request)
                 break
             self.waiting.popleft()
+            # Counted here, not per admission try: a request that had to wait would count its hits again.
+            self.blocks.prefix_hit_tokens += request.num_cached_prompt_tokens
             request.status = Status.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_tokens))
