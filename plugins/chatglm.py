@@ -18,7 +18,10 @@ import torch
 
 from zoo import ModelDescription, ZooError, hookimpl
 from zoo.model import Rotary, rotate_half, rotate_half_tables
-from zoo_plugins.glm import GLM_BLOCK, check_glm_request, convert_glm_layer, two_d_positions
+from zoo_plugins.glm import GLM_BLOCK, convert_glm_layer, two_d_positions
+# GLM's request rules, as hook implementations of this plugin too: position_ids refused, a context plus
+# <sop> required, the context bidirectional. (The two plugins never take part in the same run.)
+from zoo_plugins.glm import zoo_request_bidirectional_prefix, zoo_request_fields, zoo_request_validate  # noqa: F401
 
 ARCHITECTURE = "ChatGLMModel"
 
@@ -100,21 +103,6 @@ def zoo_weights_convert(description, name, tensor):
 @hookimpl
 def zoo_model_build(model, description):
     model.model.rotary = TwoHalvesRotary(description)
-
-
-@hookimpl
-def zoo_request_fields():
-    return ["position_ids"]  # read only to refuse it with a clear message
-
-
-@hookimpl
-def zoo_request_validate(request):
-    return check_glm_request(request)
-
-
-@hookimpl
-def zoo_request_bidirectional_prefix(request):
-    return len(request.prompt_token_ids) - 1  # the context, all but <sop>
 
 
 @hookimpl

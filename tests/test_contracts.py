@@ -48,15 +48,15 @@ class LowRankDelta(LinearWrapper):
 
     def __init__(self, base, rank: int, generator):
         super().__init__(base)
-        self.A = torch.randn(rank, base.in_features, generator=generator) * 0.3
-        self.B = torch.randn(base.out_features, rank, generator=generator) * 0.3
+        self.register_buffer("A", (torch.randn(rank, base.in_features, generator=generator) * 0.3).to(base.weight))
+        self.register_buffer("B", (torch.randn(base.out_features, rank, generator=generator) * 0.3).to(base.weight))
 
     def merged_weight(self) -> torch.Tensor:
         return self.base_layer.weight.detach() + self.B @ self.A
 
     def delta(self, x):
         on = get_forward_context().buffers["toy_adapter_index"].to(x.dtype)[:, None]
-        return (x @ self.A.T.to(x)) @ self.B.T.to(x) * on
+        return (x @ self.A.T) @ self.B.T * on
 
 
 class ToyLoRA:
@@ -99,20 +99,23 @@ class ToyLoRA:
         buffers["toy_adapter_index"].copy_(torch.tensor(flags))
 
 
-def test_wrapped_projections_read_the_forward_context_and_stay_fused(checkpoints):
-    """Base and adapter requests in one batch (same prompts: the cache key keeps their blocks apart)."""
+def merged_copy(hf_model, lora: ToyLoRA):
+    """transformers' model with the toy adapter merged into its weights: the peer for adapter requests."""
     import copy
 
-    folder, hf_model = checkpoints["llama"]
-    lora = ToyLoRA()
-    llm = LLM(str(folder), plugins=[lora], block_size=4, max_num_batched_tokens=16)
-    layer = llm.engine.model.model.layers[0]
-    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None  # fusion stayed on
     merged = copy.deepcopy(hf_model)
     state = merged.state_dict()
     for name, wrapper in lora.wrappers.items():
-        state[name] = wrapper.merged_weight()
+        state[name] = wrapper.merged_weight().cpu()
     merged.load_state_dict(state)
+    return merged
+
+
+def check_toy_lora(llm: LLM, lora: ToyLoRA, hf_model) -> None:
+    """Base and adapter requests in one batch (same prompts: the cache key keeps their blocks apart)."""
+    layer = llm.engine.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None  # fusion stayed on
+    merged = merged_copy(hf_model, lora)
     prompts = prompt_set()[:4]
     requests = [{"prompt_ids": p} for p in prompts] + [{"prompt_ids": p, "adapter": "a"} for p in prompts]
     outputs = llm.generate(requests, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
@@ -121,6 +124,12 @@ def test_wrapped_projections_read_the_forward_context_and_stay_fused(checkpoints
     for prompt, out in zip(prompts, outputs[4:]):
         assert out.token_ids == hf_generate(merged, prompt)
     assert any(a.token_ids != b.token_ids for a, b in zip(outputs[:4], outputs[4:]))  # the adapter matters
+
+
+def test_wrapped_projections_read_the_forward_context_and_stay_fused(checkpoints):
+    folder, hf_model = checkpoints["llama"]
+    lora = ToyLoRA()
+    check_toy_lora(LLM(str(folder), plugins=[lora], block_size=4, max_num_batched_tokens=16), lora, hf_model)
 
 
 # ------------------------------------------------------------------ prompt transform

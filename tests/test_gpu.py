@@ -62,3 +62,24 @@ def test_bfloat16_logprobs_follow_transformers(checkpoints, eager):
                 assert abs(value - float(reference[step, token])) < BF16_LOGPROB_ATOL
             # zoo's greedy pick is transformers' pick or within the bound of it (a bf16 near-tie)
             assert float(reference[step].max() - reference[step, entry["token_id"]]) < BF16_LOGPROB_ATOL
+
+
+def test_contract_plugins_under_cuda_graphs(checkpoints):
+    """Wrapped projections and captured layers read static buffers: decode steps replay graphs with them."""
+    from test_contracts import HiddenStateReader, ToyLoRA, check_toy_lora
+
+    folder, model = checkpoints["llama"]
+    lora = ToyLoRA()
+    llm = LLM(str(folder), plugins=[lora], device="cuda", dtype="float32")
+    assert llm.engine.uses_cuda_graphs
+    check_toy_lora(llm, lora, model)
+    reader = HiddenStateReader()
+    llm = LLM(str(folder), plugins=[reader], device="cuda", dtype="float32")
+    assert llm.engine.uses_cuda_graphs
+    prompt = prompt_set()[1]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    with torch.no_grad():
+        hf = model(torch.tensor([prompt + out.token_ids]), output_hidden_states=True).hidden_states
+    positions = range(len(prompt) - 1, len(prompt) - 1 + 12)
+    torch.testing.assert_close(torch.stack(reader.layer0[0]), hf[1][0, positions], atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.stack(reader.final[0]), hf[-1][0, positions], atol=1e-4, rtol=0)

@@ -128,11 +128,8 @@ def test_too_many_draft_tokens_is_a_clear_error(llama):
         llm.generate(prompts[:1], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
 
 
-def test_sampling_with_drafts_keeps_target_distribution(checkpoints):
-    """Chi-square of (token1, token2) under drafting against transformers' exact probabilities."""
-    folder, model = checkpoints["llama"]
-    prompt = prompt_set()[0]
-    temperature, top_k, n = 1.5, 3, 900
+def exact_top_k_distribution(model, prompt: list[int], length: int, temperature: float, top_k: int) -> dict:
+    """transformers' probability of every sequence of ``length`` tokens under temperature and top-k sampling."""
 
     def top_k_probs(ids):
         with torch.no_grad():
@@ -140,10 +137,18 @@ def test_sampling_with_drafts_keeps_target_distribution(checkpoints):
         values, idx = torch.topk(logits, top_k)
         return dict(zip(idx.tolist(), values.softmax(-1).tolist()))
 
-    exact = {}
-    for t1, p1 in top_k_probs(prompt).items():
-        for t2, p2 in top_k_probs(prompt + [t1]).items():
-            exact[(t1, t2)] = p1 * p2
+    sequences = {(): 1.0}
+    for _ in range(length):
+        sequences = {seq + (t,): p * q for seq, p in sequences.items() for t, q in top_k_probs(prompt + list(seq)).items()}
+    return sequences
+
+
+def test_sampling_with_drafts_keeps_target_distribution(checkpoints):
+    """Chi-square of (token1, token2) under drafting against transformers' exact probabilities."""
+    folder, model = checkpoints["llama"]
+    prompt = prompt_set()[0]
+    temperature, top_k, n = 1.5, 3, 900
+    exact = exact_top_k_distribution(model, prompt, 2, temperature, top_k)
     greedy = hf_greedy(model, prompt, 3)[0]
     drafter = OracleDrafter({tuple(prompt): greedy}, "chain", k=2)
     llm = llm_with(drafter, str(folder), max_num_seqs=64, max_num_batched_tokens=1024)
@@ -270,18 +275,7 @@ def test_rejection_sampling_with_draft_probabilities_keeps_the_target_distributi
     folder, model = checkpoints["llama"]
     prompt = prompt_set()[0]
     temperature, top_k, n = 1.5, 3, 1200
-
-    def top_k_probs(ids):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1] / temperature
-        values, idx = torch.topk(logits, top_k)
-        return dict(zip(idx.tolist(), values.softmax(-1).tolist()))
-
-    exact = {}
-    for t1, p1 in top_k_probs(prompt).items():
-        for t2, p2 in top_k_probs(prompt + [t1]).items():
-            for t3, p3 in top_k_probs(prompt + [t1, t2]).items():
-                exact[(t1, t2, t3)] = p1 * p2 * p3
+    exact = exact_top_k_distribution(model, prompt, 3, temperature, top_k)
     drafter = ProbabilisticDrafter(model)
     llm = llm_with(drafter, str(folder), max_num_seqs=64, max_num_batched_tokens=1024)
     params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k, seed=s)

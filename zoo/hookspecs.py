@@ -22,7 +22,6 @@ import pluggy
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
     from zoo.decoding import DecodingMethod
     from zoo.description import ModelDescription
