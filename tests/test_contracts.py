@@ -153,8 +153,9 @@ class VirtualTokens:
         return ("virtual_tokens", id(self))  # the table changes the K/V of every block
 
     @hookimpl
-    def zoo_engine_start(self, setup):
+    def zoo_engine_start(self, engine, setup):
         setup.add_buffer(BufferSpec("virtual_row", (setup.limits.max_num_tokens,), fill=-1))
+        self.device_table = self.table.to(engine.device, engine.dtype)  # read inside captured graphs
 
     @hookimpl
     def zoo_step_prepare(self, batch, buffers):
@@ -167,8 +168,7 @@ class VirtualTokens:
     @hookimpl
     def zoo_embed_modify(self, hidden, context):
         rows = context.buffers["virtual_row"]
-        table = self.table.to(hidden)
-        hidden.copy_(torch.where((rows >= 0)[:, None], table[rows.clamp(min=0)], hidden))  # graph-safe
+        hidden.copy_(torch.where((rows >= 0)[:, None], self.device_table[rows.clamp(min=0)], hidden))  # graph-safe
 
 
 def test_prompt_transform_prepends_virtual_tokens(checkpoints):
