@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -220,18 +221,26 @@ class ShadowAttention:
 
 def test_extra_kv_layers_share_the_block_pool(checkpoints):
     folder, _ = checkpoints["llama"]
-    runtime = dict(block_size=4, max_num_batched_tokens=16, cpu_kv_cache_gb=9e-5, enforce_eager=True)
+    runtime = dict(block_size=4, max_num_batched_tokens=16, num_kv_blocks=30, enforce_eager=True)
     prompts = prompt_set()
     shadow = ShadowAttention()
     plain = LLM(str(folder), **runtime)
     llm = LLM(str(folder), plugins=[shadow], **runtime)
-    # The budget now holds three layers instead of two.
-    assert llm.engine.num_blocks == plain.engine.num_blocks * 2 // 3
+    assert llm.engine.runner.kv.bytes_per_block() * 2 == plain.engine.runner.kv.bytes_per_block() * 3
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     outputs = llm.generate(prompts + prompts[3:], params)  # repeats hit the prefix cache
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(prompts + prompts[3:], params)]
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.blocks.prefix_hit_tokens > 0
     assert shadow.calls > 0 and shadow.max_diff < 1e-5
+
+
+def test_extra_kv_layers_count_in_the_memory_budget(checkpoints):
+    folder, _ = checkpoints["llama"]
+    if os.environ["ZOO_DEVICE"] != "cpu":  # conftest's default; a GPU run of the suite sets cuda
+        pytest.skip("the CPU budget (runtime.cpu_kv_cache_gb) is what this sizes; on GPU the profile step does")
+    runtime = dict(block_size=4, cpu_kv_cache_gb=9e-5)
+    plain, llm = LLM(str(folder), **runtime), LLM(str(folder), plugins=[ShadowAttention()], **runtime)
+    assert llm.engine.num_blocks == plain.engine.num_blocks * 2 // 3  # three layers in the budget of two
 
 
 # ------------------------------------------------------------------ step results
