@@ -20,7 +20,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, hidden, layer outputs)
 
     def batch_sizes(self) -> list[int]:
-        limit = self.runner.limits.max_num_seqs
+        # A decode step runs one token per sequence, so no step is wider than the token budget either.
+        limits = self.runner.limits
+        limit = min(limits.max_num_seqs, limits.max_num_tokens)
         sizes = [n for n in (1, 2, 4, 8) if n < limit] + list(range(16, limit, 16)) + [limit]
         return sorted(set(sizes))
 
