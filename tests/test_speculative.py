@@ -288,3 +288,33 @@ def test_rejection_sampling_with_draft_probabilities_keeps_the_target_distributi
     # 26 degrees of freedom: P(chi2 > 54.05) = 0.001
     assert chi2 < 54.05, (chi2, counts, exact)
     assert drafter.proposed >= n and llm.engine.stats.steps < 2 * n  # drafts were verified, not dropped
+
+
+class LookaheadShaped(OracleDrafter):
+    """Each block: a wrong guess, the right token seeing that wrong guess (not a tree), then the right chain."""
+
+    name = "lookahead_shaped"
+
+    def propose(self, requests):
+        drafts = {}
+        for request in requests:
+            future = self.references[tuple(request.prompt_token_ids)][len(request.output_token_ids):][:2]
+            if len(future) < 2:
+                continue
+            wrong = WRONG if future[0] != WRONG else WRONG + 1
+            block = DraftBlock([wrong, future[0], future[0], future[1]], [-1, -1, -1, 2],
+                               sees=[[0], [0, 1], [2], [2, 3]])
+            assert block.children(-1) == [0, 2]  # token 1 sees a non-ancestor: never accepted
+            drafts[request.request_id] = block
+            self.proposed += 4
+        return drafts
+
+
+def test_tokens_that_see_beyond_their_ancestors_are_computed_but_never_accepted(llama):
+    folder, prompts, references = llama
+    drafter = LookaheadShaped(references, "chain", max_draft_tokens=4)
+    llm = llm_with(drafter, str(folder))
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == references[tuple(prompt)]
+    assert drafter.proposed > 0 and llm.engine.stats.steps < 1 + MAX_NEW - 1 + len(prompts)

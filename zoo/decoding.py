@@ -34,17 +34,22 @@ class DraftBlock:
     """Draft tokens proposed for one sequence.
 
     ``parents[i]`` is the draft index of token ``i``'s parent, or -1 for the last
-    committed token; parents come before children, and a token sees exactly its
-    ancestors (the visibility mask of a tree). ``position_offsets[i]`` is its
-    position relative to the last committed token's (default: its depth).
-    ``probs[i]`` is the distribution token ``i`` was drawn from, for rejection
-    sampling (``[len(tokens), vocab]``; None: acceptance by matching).
+    committed token; parents come before children. By default a token sees
+    exactly its ancestors (the visibility mask of a tree); ``sees[i]``, when
+    given, lists the earlier draft tokens token ``i`` sees instead (lookahead's
+    window rows see other rows). Only a token that sees exactly its ancestors can be
+    accepted: another one's K/V were not computed from the accepted path, so it
+    is computed for its output alone. ``position_offsets[i]`` is its position
+    relative to the last committed token's (default: its depth). ``probs[i]`` is
+    the distribution token ``i`` was drawn from, for rejection sampling
+    (``[len(tokens), vocab]``; None: acceptance by matching).
     """
 
     tokens: list[int]
     parents: list[int]
     position_offsets: list[int] | None = None
     probs: torch.Tensor | None = None
+    sees: list[list[int]] | None = None
 
     @classmethod
     def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "DraftBlock":
@@ -67,8 +72,14 @@ class DraftBlock:
             i = self.parents[i]
         return path[::-1]
 
+    def visible(self, i: int) -> list[int]:
+        """The draft tokens token ``i`` attends to (itself included)."""
+        return self.ancestors(i) if self.sees is None else sorted(set(self.sees[i]) | {i})
+
     def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+        """The tokens after ``node`` that may be accepted (those that see exactly their ancestors)."""
+        return [i for i, p in enumerate(self.parents)
+                if p == node and (self.sees is None or self.visible(i) == self.ancestors(i))]
 
     def within(self, max_offset: int) -> "DraftBlock | None":
         """The tokens whose path stays at position offsets <= ``max_offset`` (renumbered), or None."""
@@ -78,7 +89,9 @@ class DraftBlock:
         index = {old: new for new, old in enumerate(keep)}
         return DraftBlock([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
                           None if self.position_offsets is None else [self.position_offsets[i] for i in keep],
-                          None if self.probs is None else self.probs[keep])
+                          None if self.probs is None else self.probs[keep],
+                          None if self.sees is None else [[index[j] for j in self.sees[i] if j in index]
+                                                          for i in keep])
 
 
 class DecodingMethod:

@@ -83,7 +83,7 @@ class StepLayout:
             position_index += [request.num_tokens - 1 + draft.offset(i) for i in range(len(draft.tokens))]
             for i in range(len(draft.tokens)):
                 row = first_row + entry.num_tokens + i
-                self.draft_visible += [(row, a) for a in draft.ancestors(i)]
+                self.draft_visible += [(row, a) for a in draft.visible(i)]
         for row, values in zip(self.positions, positions_of(request, position_index)):
             row.extend(values)
         if entry.samples:  # the last committed token and every draft token give logits
