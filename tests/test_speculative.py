@@ -54,26 +54,29 @@ class OracleDrafter(DecodingMethod):
         drafts = {}
         for request in requests:
             ref = self.references[tuple(request.prompt_token_ids)]
-            future = ref[len(request.output_token_ids):][:self.k]
-            if not future:
-                continue
-            if self.mode == "chain":  # all right
-                draft = DraftBlock.chain(future)
-            elif self.mode == "wrong_tail":  # right, right, then wrong
-                draft = DraftBlock.chain(future[:2] + [self._wrong(t) for t in future[2:]])
-            elif self.mode == "all_wrong":
-                draft = DraftBlock.chain([self._wrong(t) for t in future])
-            else:  # "tree": a wrong sibling before the right child at every level
-                tokens, parents, parent = [], [], -1
-                for right in future:
-                    tokens += [self._wrong(right), right]
-                    parents += [parent, parent]
-                    parent = len(tokens) - 1
-                draft = DraftBlock(tokens[:8], parents[:8])
-            drafts[request.request_id] = draft
-            self.proposed += len(draft.tokens)
+            draft = self.block(ref[len(request.output_token_ids):][:self.k])
+            if draft is not None:
+                drafts[request.request_id] = draft
+                self.proposed += len(draft.tokens)
         self.steps += 1
         return drafts
+
+    def block(self, future: list[int]) -> DraftBlock | None:
+        """The draft block for a request whose next greedy tokens are ``future``."""
+        if not future:
+            return None
+        if self.mode == "chain":  # all right
+            return DraftBlock.chain(future)
+        if self.mode == "wrong_tail":  # right, right, then wrong
+            return DraftBlock.chain(future[:2] + [self._wrong(t) for t in future[2:]])
+        if self.mode == "all_wrong":
+            return DraftBlock.chain([self._wrong(t) for t in future])
+        tokens, parents, parent = [], [], -1  # "tree": a wrong sibling before the right child at every level
+        for right in future:
+            tokens += [self._wrong(right), right]
+            parents += [parent, parent]
+            parent = len(tokens) - 1
+        return DraftBlock(tokens[:8], parents[:8])
 
 
 @pytest.fixture(scope="module")
@@ -190,26 +193,18 @@ class WideTree(OracleDrafter):
 
     name = "wide_tree"
 
-    def propose(self, requests):
-        drafts = {}
-        for request in requests:
-            future = self.references[tuple(request.prompt_token_ids)][len(request.output_token_ids):][:4]
-            if len(future) < 4:
-                continue
-            wrong = [t for t in range(VOCAB_WIDE) if t != future[0]][:59]
-            tokens = wrong + future
-            parents = [-1] * 59 + [-1, 59, 60, 61]
-            drafts[request.request_id] = DraftBlock(tokens, parents)
-            self.proposed += len(tokens)
-        return drafts
-
+    def block(self, future):
+        if len(future) < 4:
+            return None
+        wrong = [t for t in range(VOCAB_WIDE) if t != future[0]][:59]
+        return DraftBlock(wrong + future, [-1] * 59 + [-1, 59, 60, 61])
 
 VOCAB_WIDE = 100
 
 
 def test_a_draft_block_of_63_tokens(llama):
     folder, prompts, references = llama
-    drafter = WideTree(references, "tree", max_draft_tokens=63)
+    drafter = WideTree(references, "tree", k=4, max_draft_tokens=63)
     llm = llm_with(drafter, str(folder), block_size=16)
     assert llm.engine.runner.buffers["draft_visible"].shape[1] == 63  # sized from the method
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
@@ -295,24 +290,17 @@ class LookaheadShaped(OracleDrafter):
 
     name = "lookahead_shaped"
 
-    def propose(self, requests):
-        drafts = {}
-        for request in requests:
-            future = self.references[tuple(request.prompt_token_ids)][len(request.output_token_ids):][:2]
-            if len(future) < 2:
-                continue
-            wrong = WRONG if future[0] != WRONG else WRONG + 1
-            block = DraftBlock([wrong, future[0], future[0], future[1]], [-1, -1, -1, 2],
-                               sees=[[0], [0, 1], [2], [2, 3]])
-            assert block.children(-1) == [0, 2]  # token 1 sees a non-ancestor: never accepted
-            drafts[request.request_id] = block
-            self.proposed += 4
-        return drafts
-
+    def block(self, future):
+        if len(future) < 2:
+            return None
+        block = DraftBlock([self._wrong(future[0]), future[0], future[0], future[1]], [-1, -1, -1, 2],
+                           sees=[[0], [0, 1], [2], [2, 3]])
+        assert block.children(-1) == [0, 2]  # token 1 sees a non-ancestor: never accepted
+        return block
 
 def test_tokens_that_see_beyond_their_ancestors_are_computed_but_never_accepted(llama):
     folder, prompts, references = llama
-    drafter = LookaheadShaped(references, "chain", max_draft_tokens=4)
+    drafter = LookaheadShaped(references, "chain", k=2, max_draft_tokens=4)
     llm = llm_with(drafter, str(folder))
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
