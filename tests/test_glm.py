@@ -22,7 +22,6 @@ from test_parity import LogitsRecorder as Recorder
 from zoo import LLM, SamplingParams
 from zoo_plugins.chatglm import zoo_step_positions as chatglm_positions
 from zoo_plugins.glm import glm_mask_position, two_d_positions
-from zoo.description import ModelDescription
 from zoo.request import Request
 
 LOGIT_ATOL = 1e-4  # float32, different summation orders
