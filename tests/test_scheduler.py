@@ -373,15 +373,27 @@ def test_drafts_are_dropped_before_anyone_is_preempted():
     assert b.output_token_ids == alone_output([4, 5, 6], 4)
 
 
-def test_a_draft_larger_than_the_budget_is_not_scheduled():
+def test_drafts_are_cut_to_the_free_slots_before_anyone_is_preempted():
+    driver = Driver(num_blocks=5, block_size=2, max_num_batched_tokens=32, enable_prefix_caching=False)
+    a = driver.add(0, [1, 2, 3], max_new_tokens=4)
+    b = driver.add(1, [4, 5, 6], max_new_tokens=4)
+    driver.step()
+    # Three draft tokens for a need two more blocks; one is free, with room for two of them.
+    scheduled = driver.step({0: DraftBlock.chain([0, 0, 0])})
+    assert scheduled[0].draft.tokens == [0, 0] and scheduled[1].draft is None
+    assert a.num_preemptions == b.num_preemptions == 0
+    driver.run_until_done()
+    assert a.output_token_ids == alone_output([1, 2, 3], 4)
+    assert b.output_token_ids == alone_output([4, 5, 6], 4)
+
+
+def test_a_draft_larger_than_the_budget_is_cut_to_fit():
     driver = Driver(num_blocks=16, block_size=2, max_num_batched_tokens=3)
     a = driver.add(0, [1, 2], max_new_tokens=6)
     driver.step()
     right = alone_output([1, 2], 6)[1:]
-    (entry,) = driver.step({0: DraftBlock.chain(right[:3])})  # 1 + 3 query tokens > 3
-    assert entry.draft is None
-    (entry,) = driver.step({0: DraftBlock.chain(right[1:3])})  # 1 + 2 fits, and both are right
-    assert entry.draft is not None and entry.num_query_tokens == 3
+    (entry,) = driver.step({0: DraftBlock.chain(right[:3])})  # 1 + 3 query tokens > 3: its first 2 drafts stay
+    assert entry.draft.tokens == right[:2] and entry.num_query_tokens == 3
     assert driver.accepted_drafts == 2
     driver.run_until_done()
     assert a.output_token_ids == alone_output([1, 2], 6)

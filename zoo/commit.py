@@ -48,6 +48,8 @@ class Committer:
             tokens, logits_rows = [token], [rows[0]]
         else:
             accepted, token = verify(request, entry.draft, logits[rows], self.sampler)
+            engine.stats.record_draft(max(entry.draft.depth(i) for i in range(len(entry.draft.tokens))),
+                                      len(accepted))
             tokens = [entry.draft.tokens[i] for i in accepted] + [token]
             logits_rows = [rows[0]] + [rows[1 + i] for i in accepted]
             first = entry.start + entry.num_tokens
@@ -56,6 +58,8 @@ class Committer:
             request.num_computed_tokens = first + len(accepted)
             token_rows += [offset + entry.num_tokens + i for i in accepted]
         committed = []
+        request.num_steps += 1
+        engine.stats.token_steps += 1
         stop_ids = self.sampler.stop_ids(request)
         for token, row in zip(tokens, logits_rows):
             self._commit(request, token, logits, row, stop_ids)

@@ -81,11 +81,21 @@ class DraftBlock:
         return [i for i, p in enumerate(self.parents)
                 if p == node and (self.sees is None or self.visible(i) == self.ancestors(i))]
 
+    def first(self, n: int) -> "DraftBlock | None":
+        """The first ``n`` tokens (a tree still: parents come first), or None when ``n`` < 1."""
+        if n < 1:
+            return None
+        if n >= len(self.tokens):
+            return self
+        return self._keep(list(range(n)))
+
     def within(self, max_offset: int) -> "DraftBlock | None":
         """The tokens whose path stays at position offsets <= ``max_offset`` (renumbered), or None."""
         keep = [i for i in range(len(self.tokens)) if all(self.offset(a) <= max_offset for a in self.ancestors(i))]
-        if not keep:
-            return None
+        return self._keep(keep) if keep else None
+
+    def _keep(self, keep: list[int]) -> "DraftBlock":
+        """The block of tokens ``keep`` (closed under parents), renumbered."""
         index = {old: new for new, old in enumerate(keep)}
         return DraftBlock([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
                           None if self.position_offsets is None else [self.position_offsets[i] for i in keep],
@@ -98,7 +108,10 @@ class DecodingMethod:
     """A way to propose drafts; plugins subclass it and register a factory in ``zoo_decoding_methods``.
 
     ``max_draft_tokens`` is the largest block the method proposes for one sequence;
-    the runner sizes its draft buffers from it once.
+    the runner sizes its draft buffers from it once. The chosen method is also
+    registered as a plugin of its engine, so it may implement hooks itself
+    (``zoo_step_results`` to keep the hidden states it drafts from,
+    ``zoo_engine_start``, ``zoo_request_finished``), called for that engine only.
     """
 
     name = "method"
@@ -109,10 +122,10 @@ class DecodingMethod:
         raise NotImplementedError
 
 
-def choose_method(hooks, name: str, engine) -> DecodingMethod | None:
-    """The method ``decoding=name`` selects, built once; None for plain decoding."""
+def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
+    """The method ``decoding=name`` selects, built once and registered as a plugin; None for plain decoding."""
     registry: dict[str, tuple[str, object]] = {}
-    for impl in hooks.zoo_decoding_methods.get_hookimpls():
+    for impl in plugin_manager.hook.zoo_decoding_methods.get_hookimpls():
         for method_name, factory in (impl.function() or {}).items():
             if method_name in registry:
                 raise ZooError(f"plugins {registry[method_name][0]!r} and {impl.plugin_name!r} both register "
@@ -127,6 +140,8 @@ def choose_method(hooks, name: str, engine) -> DecodingMethod | None:
     if not isinstance(method.max_draft_tokens, int) or method.max_draft_tokens < 1:
         raise ZooError(f"decoding method {name!r} declares max_draft_tokens={method.max_draft_tokens!r}; "
                        "it must be a positive integer")
+    if not plugin_manager.is_registered(method):
+        plugin_manager.register(method, name=f"decoding method {name}")
     return method
 
 

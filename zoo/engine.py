@@ -35,6 +35,8 @@ class Engine:
         self.description, self.tokenizer = self.checkpoint.description, self.checkpoint.tokenizer
         # From here on only the plugins that take part in this run are called.
         self.plugins = select_plugins(self.plugin_manager, config, self.description.architecture)
+        # Before the weights load, so that a bad decoding setting costs no loading time.
+        self.decoding = choose_method(self.plugin_manager, config["decoding"]["name"], self)
         self.model = load_model(self.checkpoint, self.hooks, self.dtype, self.device)
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
         self.model.fuse_projections()
@@ -42,7 +44,6 @@ class Engine:
         self.model.use_fused_ops(self.uses_fused_ops)
         self.max_model_len = min(self.description.max_position, runtime["max_model_len"] or 1 << 62)
         self.block_size = int(runtime["block_size"])
-        self.decoding = choose_method(self.hooks, config["decoding"]["name"], self)
         self.runner = self._start_runner(runtime)
         self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime["enable_prefix_caching"]))
         self.scheduler = Scheduler(self.blocks, int(runtime["max_num_seqs"]), int(runtime["max_num_batched_tokens"]))

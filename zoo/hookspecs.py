@@ -127,10 +127,14 @@ def zoo_engine_start(engine: "Engine", setup: "EngineSetup") -> None:
 def zoo_decoding_methods() -> dict[str, Callable[["Engine"], "DecodingMethod"]]:
     """Register decoding methods by name.
 
-    Runs once at engine start. Returns ``{name: factory}``; ``decoding=NAME``
-    picks exactly one, built as ``factory(engine)`` (a
-    :class:`zoo.decoding.DecodingMethod`). Contribute; a name registered twice
-    is an error, and so is a ``decoding`` option no plugin registers.
+    Runs once at engine start, after the checkpoint is described and before its
+    weights load. Returns ``{name: factory}``; ``decoding=NAME`` picks exactly
+    one, built as ``factory(engine)`` (a :class:`zoo.decoding.DecodingMethod`):
+    ``engine.config``, ``engine.description``, ``engine.device`` and
+    ``engine.dtype`` are set, ``engine.model`` is not yet, so the factory checks
+    settings and reads files, and the method touches the model in its own
+    ``zoo_engine_start``. Contribute; a name registered twice is an error, and
+    so is a ``decoding`` option no plugin registers.
     """
 
 

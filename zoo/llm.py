@@ -24,10 +24,11 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     logprobs: list[dict] | None = None
+    num_steps: int = 0  # forward passes that produced these tokens (fewer than tokens when drafts are accepted)
 
     def to_json(self) -> dict:
         record = {"id": self.id, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
-                  "text": self.text, "finish_reason": self.finish_reason}
+                  "text": self.text, "finish_reason": self.finish_reason, "num_steps": self.num_steps}
         if self.error is not None:
             record["error"] = self.error
         if self.logprobs is not None:
@@ -57,15 +58,16 @@ class LLM:
     """Generate with zoo from Python.
 
     ``LLM()`` runs the embedded random-init Llama; ``LLM("path/or/org-name")`` a
-    checkpoint. ``model`` picks the config option of ``conf/model``; keyword
-    arguments set ``runtime.*`` keys; ``overrides`` are Hydra overrides as on
-    the command line; ``plugins`` are extra plugin objects to register.
+    checkpoint. ``model`` picks the config option of ``conf/model`` and
+    ``decoding`` one of ``conf/decoding`` (``"medusa"``); keyword arguments set
+    ``runtime.*`` keys; ``overrides`` are Hydra overrides as on the command line;
+    ``plugins`` are extra plugin objects to register.
     """
 
-    def __init__(self, path: str | None = None, *, model: str = "llama", overrides: list[str] = (),
-                 plugins: list = (), config=None, **runtime):
+    def __init__(self, path: str | None = None, *, model: str = "llama", decoding: str = "none",
+                 overrides: list[str] = (), plugins: list = (), config=None, **runtime):
         if config is None:
-            items = [f"model={model}"]
+            items = [f"model={model}", f"decoding={decoding}"]
             if path is not None:
                 items.append(f"model.path={path}")
             items += [f"runtime.{k}={'null' if v is None else v}" for k, v in runtime.items()]
@@ -115,6 +117,7 @@ class LLM:
             finish_reason=request.finish_reason or "length",
             error=request.error,
             logprobs=request.output_logprobs if request.params.logprobs is not None and not request.error else None,
+            num_steps=request.num_steps,
         )
 
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:

@@ -50,6 +50,7 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     num_preemptions: int = 0
+    num_steps: int = 0  # forward passes that produced this request's generated tokens
 
     @property
     def token_ids(self) -> list[int]:

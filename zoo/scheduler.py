@@ -65,12 +65,14 @@ class Scheduler:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = drafts.get(request.request_id)
-            if draft is not None and (num_tokens != 1 or 1 + len(draft.tokens) > budget):
-                draft = None
+            if draft is not None:  # only after a single committed token, and cut to what the budget leaves
+                draft = draft.first(budget - 1) if num_tokens == 1 else None
             entry = ScheduledRequest(request, request.num_computed_tokens, num_tokens, draft)
             while not self.blocks.ensure_slots(request, entry.start + entry.num_query_tokens):
-                if entry.draft is not None:  # drafts are optional: drop them before preempting anyone
-                    entry.draft = None
+                if entry.draft is not None:  # drafts are optional: cut them to the free slots before preempting
+                    room = ((len(request.block_ids) + self.blocks.num_free_blocks) * self.blocks.block_size
+                            - entry.start - entry.num_tokens)
+                    entry.draft = entry.draft.first(room) if room < len(entry.draft.tokens) else None
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -16,6 +16,15 @@ class EngineStats:
     steps: int = 0
     max_blocks_used: int = 0
     time_to_first_token: list[float] = field(default_factory=list)
+    token_steps: int = 0  # (request, step) pairs that produced generated tokens
+    drafted_depth: list[int] = field(default_factory=list)  # [d]: verified blocks reaching depth d + 1
+    accepted_depth: list[int] = field(default_factory=list)  # [d]: of those, how many accepted a token there
+
+    def record_draft(self, max_depth: int, accepted: int) -> None:
+        for counts, n in ((self.drafted_depth, max_depth), (self.accepted_depth, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for d in range(n):
+                counts[d] += 1
 
     def record_step(self, prefill_tokens: int, generated: int, seconds: float, blocks_used: int) -> None:
         self.prefill_tokens += prefill_tokens
@@ -40,6 +49,12 @@ def summary(engine) -> str:
              f"decode: {decode_rate:.1f} tok/s  ({s.steps} steps)",
              f"KV blocks: {s.max_blocks_used} of {engine.num_blocks} used at peak (block size {engine.block_size})"
              f"  preemptions: {engine.scheduler.num_preemptions}"]
+    if s.drafted_depth:
+        acceptance = "  ".join(f"{d + 1}: {a / n:.2f}" for d, (n, a) in
+                               enumerate(zip(s.drafted_depth, s.accepted_depth + [0] * len(s.drafted_depth))))
+        lines.append(f"decoding {engine.config['decoding']['name']}: mean accepted length "
+                     f"{s.generated_tokens / max(s.token_steps, 1):.2f} tokens per step; acceptance by draft depth "
+                     f"{acceptance}")
     if engine.profile_peak_bytes:
         lines.append(f"GPU memory: a full step peaked at {engine.profile_peak_bytes / 2**30:.2f} GiB before the KV "
                      f"cache; CUDA graphs {'on' if engine.uses_cuda_graphs else 'off'}")

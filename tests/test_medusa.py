@@ -1,0 +1,153 @@
+"""decoding=medusa: exact greedy tokens in every scheduling regime, released-layout heads, bad settings.
+
+Also: draft tokens get the positions of the model's position plugin (GLM's 2-D rows, Qwen2-VL's mRoPE
+rows), shown with drafts that are always right so that every accepted token's logits depend on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import prompt_set
+from test_glm import glm_checkpoint, glm_prompts  # noqa: F401  (glm_checkpoint is a fixture)
+from test_qwen2_vl import qwen2_vl, requests_and_references  # noqa: F401  (qwen2_vl is a fixture)
+from test_speculative import OracleDrafter, llm_with
+from zoo import LLM, SamplingParams, ZooError
+
+MAX_NEW = 10
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Eight prompts of mixed lengths, two of them repeated (prefix-cache hits)."""
+    prompts = prompt_set()
+    return prompts + [list(prompts[4]), list(prompts[1])]
+
+
+REGIMES = {
+    "batched": {},
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=12),
+    "preemption": dict(block_size=4, num_kv_blocks=30, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_medusa_gives_the_tokens_of_plain_decoding(checkpoints, regime):
+    folder, _ = checkpoints["llama"]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts = mixed_prompts()
+    plain = LLM(str(folder), **REGIMES[regime]).generate(prompts, params)
+    llm = LLM(str(folder), decoding="medusa", **REGIMES[regime])
+    assert llm.engine.decoding.max_draft_tokens == 63  # the reference tree
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    stats = llm.engine.stats
+    assert stats.drafted_depth[0] > 0 and stats.accepted_depth and stats.accepted_depth[0] > 0  # some accepted
+    assert sum(o.num_steps for o in outputs) < sum(len(o.token_ids) for o in outputs)
+    if regime == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def write_reference_heads(folder, hidden: int, vocab: int, num_heads=3, num_layers=2, seed=0):
+    """A Medusa heads folder in the reference repository's key names and config fields."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            tensors[f"{h}.{layer}.linear.weight"] = torch.randn(hidden, hidden, generator=g) * 0.05
+            tensors[f"{h}.{layer}.linear.bias"] = torch.randn(hidden, generator=g) * 0.05
+        tensors[f"{h}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=g) * 0.2
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "medusa_lm_head.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
+                                                    "base_model_name_or_path": "tiny-llama"}))
+    return tensors
+
+
+def test_released_layout_heads_load_and_stay_exact(checkpoints, tmp_path):
+    folder, hf_model = checkpoints["llama"]
+    tensors = write_reference_heads(tmp_path / "heads", hf_model.config.hidden_size, hf_model.config.vocab_size)
+    tree = "[[0],[1],[0,0],[0,1],[0,0,0]]"
+    llm = LLM(str(folder), decoding="medusa", overrides=[f"decoding.heads={tmp_path / 'heads'}",
+                                                          f"decoding.tree={tree}"])
+    heads = llm.engine.decoding.heads
+    assert len(heads) == 3 and len(heads[0]) == 3  # two residual blocks and the projection
+    torch.testing.assert_close(heads[2][2].weight.cpu(), tensors["2.2.weight"])
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts = mixed_prompts()
+    plain = LLM(str(folder)).generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("decoding.heads={missing}", "decoding.heads={missing}: no such folder"),
+    ("decoding.heads={wrong_size}", "the heads do not fit this model (hidden 64, vocabulary 300)"),
+    ("decoding.heads={pickled}", "medusa_lm_head.pt is a pickle, which zoo does not load"),
+    ("decoding.tree=[[0],[1,2]]", "decoding.tree: the parent of [1, 2] is not in the tree"),
+    ("decoding.tree=[[0],[0,0],[0,0,0],[0,0,0,0],[0,0,0,0,0]]", "goes 5 deep; the Medusa heads predict 4"),
+    ("decoding.tree=[[0],[-1]]", "is not a path of top-k ranks"),
+])
+def test_bad_medusa_settings_are_one_line(checkpoints, tmp_path, override, message):
+    folder, hf_model = checkpoints["llama"]
+    write_reference_heads(tmp_path / "wrong_size", 32, 300)
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "medusa_lm_head.pt").write_bytes(b"not loaded")
+    paths = {k: tmp_path / k for k in ("missing", "wrong_size", "pickled")}
+    override, message = override.format(**paths), message.format(**paths)
+    with pytest.raises(ZooError) as info:
+        LLM(str(folder), decoding="medusa", overrides=[override])
+    assert message in str(info.value)
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", "decoding=medusa", override],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_jsonl_records_steps_and_the_summary_reports_acceptance(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", "decoding=medusa", "output.format=jsonl",
+                           "sampling.max_new_tokens=24", "prompt=zoo zoo zoo"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.splitlines()[0])
+    assert len(record["token_ids"]) == 24 and 1 <= record["num_steps"] <= 24
+    assert "decoding medusa: mean accepted length" in proc.stderr and "acceptance by draft depth 1:" in proc.stderr
+    assert "starts from fresh heads" in proc.stderr
+
+
+# ------------------------------------------------------------------ draft positions of the position plugins
+
+
+def test_drafts_take_glm_positions(glm_checkpoint):
+    kind, folder, _ = glm_checkpoint
+    prompts = glm_prompts()
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = LLM(str(folder), model=kind).generate(prompts, params)
+    references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    drafter = OracleDrafter(references, "tree", k=4)
+    outputs = llm_with(drafter, str(folder), model=kind).generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert sum(o.num_steps for o in outputs) < sum(len(o.token_ids) for o in outputs)
+    medusa = LLM(str(folder), model=kind, decoding="medusa").generate(prompts, params)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+
+
+def test_drafts_take_mrope_positions_with_images(qwen2_vl, tmp_path):
+    requests, references = requests_and_references(qwen2_vl, tmp_path)
+    folder = str(qwen2_vl[0])
+    by_prompt = {tuple(r["prompt_ids"]): tokens for r, (tokens, _) in zip(requests, references)}
+    drafter = OracleDrafter(by_prompt, "wrong_tail", k=4)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    outputs = llm_with(drafter, folder, model="qwen2_vl").generate(requests, params)
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in references]
+    assert sum(o.num_steps for o in outputs) < sum(len(o.token_ids) for o in outputs)
+    medusa = LLM(folder, model="qwen2_vl", decoding="medusa").generate(requests, params)
+    assert [o.token_ids for o in medusa] == [tokens for tokens, _ in references]
