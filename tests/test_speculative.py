@@ -306,3 +306,26 @@ def test_tokens_that_see_beyond_their_ancestors_are_computed_but_never_accepted(
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == references[tuple(prompt)]
     assert drafter.proposed > 0 and llm.engine.stats.steps < 1 + MAX_NEW - 1 + len(prompts)
+
+
+class FailsOnThirdCall(OracleDrafter):
+    name = "fails_on_third_call"
+
+    calls = 0
+
+    def propose(self, requests):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("draft head out of memory")
+        return super().propose(requests)
+
+
+def test_a_failing_draft_method_never_changes_a_token(llama, capfd):
+    folder, prompts, references = llama
+    drafter = FailsOnThirdCall(references, "chain")
+    llm = llm_with(drafter, str(folder))
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [references[tuple(p)] for p in prompts]
+    assert llm.engine.draft_failures == 1 and drafter.proposed > 0
+    assert "decoding method 'fails_on_third_call' failed to propose drafts (RuntimeError: draft head out of " \
+           "memory)" in capfd.readouterr().err

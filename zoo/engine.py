@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from zoo import fused_ops
@@ -51,6 +52,7 @@ class Engine:
         self.stats = EngineStats()
         self.intake = RequestIntake(self)
         self.committer = Committer(self)
+        self.draft_failures = 0  # steps whose drafts the decoding method failed to propose
 
     def _start_runner(self, runtime) -> ModelRunner:
         """The runner, what plugins add at engine start, the KV cache sized around both, then graphs."""
@@ -98,11 +100,8 @@ class Engine:
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one forward pass; returns ``(request, new_token_ids)`` for requests that advanced."""
-        drafts = {}
         decoding = self.scheduler.decoding_requests() if self.decoding else []
-        if decoding:
-            drafts = fit_drafts(self.decoding, self.decoding.propose(decoding), decoding, self.max_model_len)
-        scheduled = self.scheduler.schedule(drafts)
+        scheduled = self.scheduler.schedule(self._drafts(decoding) if decoding else {})
         if not scheduled:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request; this is a bug")
@@ -117,6 +116,18 @@ class Engine:
         self.stats.record_step(prefill, self.stats.generated_tokens - generated_before, time.perf_counter() - start,
                                self.blocks.num_used_blocks)
         return [(s.request, s.new_tokens) for s in sequences if s.new_tokens]
+
+    def _drafts(self, decoding: list[Request]) -> dict:
+        """The method's draft blocks; a failing method costs this step its drafts, never a token."""
+        try:
+            proposed = self.decoding.propose(decoding)
+        except Exception as exc:  # noqa: BLE001 - whatever a draft model raises, the target decodes on
+            if not self.draft_failures:
+                print(f"warning: decoding method {self.decoding.name!r} failed to propose drafts "
+                      f"({type(exc).__name__}: {exc}); these steps decode without drafts", file=sys.stderr)
+            self.draft_failures += 1
+            return {}
+        return fit_drafts(self.decoding, proposed, decoding, self.max_model_len)
 
     # ---------------------------------------------------------------- loops
 
