@@ -54,6 +54,46 @@ def test_medusa_gives_the_tokens_of_plain_decoding(checkpoints, regime):
     assert llm.engine.blocks.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gpt2"])
+def test_medusa_on_other_architectures(checkpoints, name):
+    """Qwen2 (qkv bias, tied embeddings), Mistral (a sliding window shorter than the prompts), GPT-2 (learned
+    positions): drafts from an oracle that is always right, so every accepted token's logits depend on the
+    draft positions and masks, and from fresh Medusa heads."""
+    folder, _ = checkpoints[name]
+    option = "gpt2" if name == "gpt2" else "llama"
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts = mixed_prompts()
+    plain = LLM(str(folder), model=option).generate(prompts, params)
+    references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    drafter = OracleDrafter(references, "tree", k=4)
+    drafted = llm_with(drafter, str(folder), model=option).generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert sum(o.num_steps for o in drafted) < sum(len(o.token_ids) for o in drafted)
+    medusa = LLM(str(folder), model=option, decoding="medusa").generate(prompts, params)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+
+
+def test_medusa_under_sampling_keeps_the_target_distribution(checkpoints):
+    """Chi-square of three sampled tokens against transformers' exact probabilities (small top-k vocabulary)."""
+    from test_speculative import exact_top_k_distribution
+
+    folder, model = checkpoints["llama"]
+    prompt = prompt_set()[0]
+    temperature, top_k, n = 1.5, 3, 1200
+    exact = exact_top_k_distribution(model, prompt, 3, temperature, top_k)
+    llm = LLM(str(folder), decoding="medusa", overrides=["decoding.tree=[[0],[1],[2],[0,0],[1,0],[0,0,0]]"],
+              max_num_seqs=64, max_num_batched_tokens=1024)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k, seed=s)
+              for s in range(n)]
+    counts = {}
+    for out in llm.generate([prompt] * n, params):
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert chi2 < 54.05, (chi2, counts)  # 26 degrees of freedom: P(chi2 > 54.05) = 0.001
+    assert llm.engine.stats.accepted_depth[0] > 0  # drafts were accepted, so acceptance was exercised
+
+
 def write_reference_heads(folder, hidden: int, vocab: int, num_heads=3, num_layers=2, seed=0):
     """A Medusa heads folder in the reference repository's key names and config fields."""
     from safetensors.torch import save_file

@@ -59,7 +59,8 @@ class ModelRunner:
             BufferSpec("context_lens", (s,), per="seq"),
             BufferSpec("draft_start", (s,), per="seq"),
         ] + ([BufferSpec("draft_visible", (t, limits.max_draft_tokens), dtype=torch.int8)]
-             if limits.max_draft_tokens else []):
+             if limits.max_draft_tokens else []) + ([BufferSpec("query_index_in_sequence", (s, t), per="seq")]
+                                                    if description.sliding_window else []):
             self.add_buffer(spec)
         self.kv = KVCache(description, self.block_size, dtype, device)
         self.kv.add_layers(model.attention_layers())
@@ -144,8 +145,8 @@ class ModelRunner:
         query_cache_index = buf["query_cache_index"][:num_seqs, :max_query]
         mask = (key_index <= query_cache_index[:, :, None]) & (key_index < buf["context_lens"][:num_seqs, None, None])
         window = self.description.sliding_window
-        if window:
-            mask &= key_index > query_cache_index[:, :, None] - window
+        if window:  # by index in the sequence: a draft token's is its depth past the last committed token
+            mask &= key_index > buf["query_index_in_sequence"][:num_seqs, :max_query, None] - window
         if visible is not None:
             width = visible.shape[1]
             sees = torch.zeros(num_seqs, max_query, width, dtype=torch.bool, device=self.device)

@@ -47,6 +47,7 @@ class StepLayout:
         self.offsets: list[int] = []
         self.logits_rows: list[list[int]] = []
         self.visible_rows: list[list[int]] = []  # per sequence: the last cache index each of its tokens sees
+        self.index_rows: list[list[int]] = []  # per sequence: each token's index in its sequence (drafts: by depth)
         self.context_lens: list[int] = []
         self.draft_starts: list[int] = []
         self.draft_visible: list[tuple[int, int]] = []  # (token row, draft index) pairs a draft token sees
@@ -65,6 +66,7 @@ class StepLayout:
         self.token_seq.append(b)
         self.query_index.append(0)
         self.visible_rows.append([i])
+        self.index_rows.append([i])
         self.context_lens.append(i + 1)
         self.draft_starts.append(i + 1)
 
@@ -100,6 +102,7 @@ class StepLayout:
         # Tokens inside a bidirectional prefix (all computed in this step) see up to its end.
         last = request.bidirectional_prefix - 1
         self.visible_rows.append([max(i, last) for i in cache_index] if entry.start <= last else cache_index)
+        self.index_rows.append(position_index)
         self.context_lens.append(cache_index[-1] + 1)
         self.draft_starts.append(first_draft if draft is not None else cache_index[-1] + 1)
 
@@ -123,4 +126,6 @@ class StepLayout:
         num_seqs = len(block_ids)
         buffers["block_tables"][:num_seqs, :num_blocks].copy_(padded_rows(block_ids, num_blocks))
         buffers["query_cache_index"][:num_seqs, :max_query].copy_(padded_rows(self.visible_rows, max_query))
+        if "query_index_in_sequence" in buffers:  # a sliding window counts by index in the sequence
+            buffers["query_index_in_sequence"][:num_seqs, :max_query].copy_(padded_rows(self.index_rows, max_query))
         return max_query, num_blocks
