@@ -94,9 +94,7 @@ class ToyLoRA:
 
     @hookimpl
     def zoo_step_prepare(self, batch, buffers):
-        flags = []
-        for entry in batch.scheduled:
-            flags += [int("adapter" in entry.request.extras)] * entry.num_query_tokens
+        flags = batch.per_token([int("adapter" in e.request.extras) for e in batch.scheduled])
         buffers["toy_adapter_index"].copy_(torch.tensor(flags))
 
 

@@ -231,7 +231,9 @@ def zoo_step_prepare(batch: "StepBatch", buffers: dict[str, "torch.Tensor"]) -> 
 
     Runs once per step after the core has filled its own. ``buffers`` maps every
     buffer name to a view of the step's size: write into the views
-    (``copy_``), never replace them. On CUDA the engine first runs one
+    (``copy_``), never replace them. Lay per-token values out with
+    ``batch.per_token`` (a verify step replayed as a CUDA graph pads every
+    request to the same number of rows). On CUDA the engine first runs one
     full-size step of dummy requests (negative ``request_id``) to measure
     memory; plugins see it like any other step.
     """

@@ -100,21 +100,27 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         layout = StepLayout(self.description.position_rows, self.block_size)
+        graph = self.graphs.size_for(scheduled)
+        stride = graph[1] if graph else 1
         for b, entry in enumerate(scheduled):
-            if (entry.num_tokens == 1 and entry.draft is None and not self.position_hooks
+            if (stride == 1 and entry.num_tokens == 1 and entry.draft is None and not self.position_hooks
                     and entry.start >= entry.request.bidirectional_prefix):
                 layout.add_decode_token(b, entry)
             else:
                 layout.add_entry(b, entry, self._positions)
+                if stride > 1:
+                    layout.pad_entry(stride, self.kv.scratch_block * self.block_size)
+        if stride > 1:
+            layout.every_row_gives_logits()
         max_query, num_blocks = layout.write(self.buffers, [e.request.block_ids for e in scheduled])
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,
-                          layout.logits_indices, graph_size=self.graphs.size_for(scheduled))
-        if batch.graph_size is None:
+                          layout.logits_indices, graph=graph)
+        if graph is None:
             use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
             batch.attention = self.attention_metadata(batch.num_tokens, len(scheduled), max_query, num_blocks,
                                                       layout.has_drafts, use_kernel)
         else:
-            self.graphs.pad_rows(len(scheduled), batch.graph_size)
+            self.graphs.pad_rows(len(scheduled), *graph)
         self.hooks.zoo_step_prepare(batch=batch, buffers=self.step_buffers(batch.sizes))
         return batch
 
@@ -162,8 +168,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> StepOutput:
         rows = len(batch.logits_indices)
-        if batch.graph_size is not None:
-            logits, hidden, layer_outputs = self.graphs.replay(batch.graph_size)
+        if batch.graph is not None:
+            logits, hidden, layer_outputs = self.graphs.replay(batch.graph)
             return StepOutput(logits[:rows], hidden, layer_outputs)
         buffers = self.step_buffers(batch.sizes)
         with forward_context(ForwardContext(batch.attention, buffers, batch)) as context:
@@ -186,7 +192,11 @@ class ModelRunner:
             dummy = Request(-1 - i, [0] * length, SamplingParams(max_new_tokens=1))
             dummy.block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             scheduled.append(ScheduledRequest(dummy, 0, length))
-        self.run(self.prepare(scheduled))
+        batch = self.prepare(scheduled)
+        if self.limits.max_draft_tokens:  # verify graphs take logits of every row: count them in the peak
+            batch.logits_indices = list(range(batch.num_tokens))
+            self.buffers["logits_indices"][:batch.num_tokens].copy_(torch.arange(batch.num_tokens))
+        self.run(batch)
 
     def profile_peak_memory(self) -> int:
         """Peak CUDA bytes of the largest step (weights included), before the KV cache exists."""

@@ -33,11 +33,22 @@ class StepBatch:
     logits_rows: list[list[int]] = field(default_factory=list)  # per request: rows of the step's logits
     logits_indices: list[int] = field(default_factory=list)  # token row of each logits row
     attention: AttentionMetadata | None = None  # None when a captured graph runs the step
-    graph_size: int | None = None  # the captured batch size this step replays, or None (eager)
+    graph: tuple[int, int] | None = None  # the captured (batch size, rows per sequence) it replays, or None
 
     @property
     def sizes(self) -> dict[str, int]:
         return {"token": self.num_tokens, "seq": len(self.scheduled)}
+
+    def per_token(self, values: list, fill=0) -> list:
+        """One value per token row from one per scheduled request (its chunk and drafts); ``fill`` elsewhere.
+
+        A step replayed as a verify graph pads every request to the same number of rows, so a plugin
+        filling a per-token buffer should lay its values out through this rather than by concatenation.
+        """
+        out = [fill] * self.num_tokens
+        for entry, offset, value in zip(self.scheduled, self.token_offsets, values):
+            out[offset:offset + entry.num_query_tokens] = [value] * entry.num_query_tokens
+        return out
 
 
 @dataclass

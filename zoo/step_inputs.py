@@ -106,6 +106,27 @@ class StepLayout:
         self.context_lens.append(cache_index[-1] + 1)
         self.draft_starts.append(first_draft if draft is not None else cache_index[-1] + 1)
 
+    def pad_entry(self, stride: int, scratch_slot: int) -> None:
+        """Dummy tokens after the last entry up to ``stride`` rows (a verify graph's fixed layout).
+
+        They write to the scratch slot and no real token sees them.
+        """
+        first, used = self.offsets[-1], len(self.input_ids) - self.offsets[-1]
+        n = stride - used
+        self.input_ids += [0] * n
+        for row in self.positions:
+            row += [0] * n
+        self.slots += [scratch_slot] * n
+        self.token_seq += [self.token_seq[first]] * n
+        self.query_index += range(used, stride)
+        self.visible_rows[-1] = self.visible_rows[-1] + [0] * n
+        self.index_rows[-1] = self.index_rows[-1] + [0] * n
+
+    def every_row_gives_logits(self) -> None:
+        """A graph step computes logits for all its rows: logits rows become token rows."""
+        self.logits_rows = [[self.logits_indices[r] for r in rows] for rows in self.logits_rows]
+        self.logits_indices = list(range(len(self.input_ids)))
+
     def write(self, buffers: dict[str, torch.Tensor], block_ids: list[list[int]]) -> tuple[int, int]:
         """Copy the lists into the static buffers; returns (longest query, widest block table)."""
         for name, values in (("input_ids", self.input_ids), ("slot_mapping", self.slots),
