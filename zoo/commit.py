@@ -74,7 +74,10 @@ class Committer:
         engine.blocks.register_full_blocks(request)  # a finished request's blocks stay cached once freed
         if request.is_finished:
             engine.finish(request)
-        return SequenceResult(request, committed, token_rows, entry.start)
+        if entry.draft is None:
+            return SequenceResult(request, committed, token_rows, entry.start)
+        draft_rows = list(range(offset + entry.num_tokens, offset + entry.num_tokens + len(entry.draft.tokens)))
+        return SequenceResult(request, committed, token_rows, entry.start, entry.draft, draft_rows, rows[1:])
 
     def _commit(self, request: Request, token: int, logits: torch.Tensor, row: int, stop_ids: set[int]) -> None:
         stats = self.engine.stats

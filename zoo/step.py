@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zoo.decoding import DraftBlock
 from zoo.model import AttentionMetadata
 from zoo.request import Request
 from zoo.scheduler import ScheduledRequest
@@ -65,13 +66,18 @@ class SequenceResult:
     ``rows`` are the step's token rows whose K/V the cache kept, in cache order from
     cache index ``first_index`` (a prefill chunk's tokens, or the last committed token
     and the accepted drafts). The hidden state of ``rows[-len(new_tokens) + i]`` is
-    the one that predicted ``new_tokens[i]``.
+    the one that predicted ``new_tokens[i]``. ``draft`` is the block the step verified (as
+    scheduled: possibly cut), ``draft_rows[i]`` the token row of its token ``i`` and
+    ``draft_logits_rows[i]`` the row of ``StepOutput.logits`` after it.
     """
 
     request: Request
     new_tokens: list[int]
     rows: list[int]
     first_index: int
+    draft: "DraftBlock | None" = None
+    draft_rows: list[int] = field(default_factory=list)
+    draft_logits_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +88,10 @@ class StepResults:
     def hidden_states(self, rows: list[int]) -> torch.Tensor:
         """Final hidden states of token ``rows``, ``[len(rows), hidden_size]``, on the device."""
         return self.output.hidden[torch.tensor(rows, device=self.output.hidden.device)]
+
+    def logits(self, logits_rows: list[int]) -> torch.Tensor:
+        """Raw next-token logits ``[len(logits_rows), vocab]`` (float32, on the device)."""
+        return self.output.logits[torch.tensor(logits_rows, device=self.output.logits.device)]
 
     def layer_states(self, layer: int, rows: list[int]) -> torch.Tensor:
         """Outputs of decoder layer ``layer`` (captured at engine start) at token ``rows``."""

@@ -1,0 +1,102 @@
+"""decoding=lookahead: exact greedy tokens in every scheduling regime, with position plugins, bad settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import prompt_set
+from test_glm import glm_checkpoint, glm_prompts  # noqa: F401  (glm_checkpoint is a fixture)
+from test_medusa import REGIMES, mixed_prompts
+from test_qwen2_vl import qwen2_vl, requests_and_references  # noqa: F401  (qwen2_vl is a fixture)
+from zoo import LLM, SamplingParams, ZooError
+
+MAX_NEW = 24
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts whose tokens repeat, so the prompt-seeded pool and the window find accepted n-grams."""
+    return [p[:6] * 4 for p in prompt_set()[1:]] + mixed_prompts()[:3]
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_lookahead_gives_the_tokens_of_plain_decoding(checkpoints, regime):
+    folder, _ = checkpoints["llama"]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts = repetitive_prompts()
+    plain = LLM(str(folder), **REGIMES[regime]).generate(prompts, params)
+    llm = LLM(str(folder), decoding="lookahead", **REGIMES[regime])
+    assert llm.engine.decoding.max_draft_tokens == (7 + 7) * 4
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert sum(o.num_steps for o in outputs) < sum(len(o.token_ids) for o in outputs)  # drafts were accepted
+    if regime == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("window, ngram, candidates", [(1, 2, 0), (3, 3, 2), (4, 6, 10)])
+def test_window_shapes_stay_exact(checkpoints, window, ngram, candidates):
+    folder, _ = checkpoints["llama"]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts = repetitive_prompts()
+    plain = LLM(str(folder)).generate(prompts, params)
+    llm = LLM(str(folder), decoding="lookahead", overrides=[f"decoding.window={window}", f"decoding.ngram={ngram}",
+                                                             f"decoding.candidates={candidates}"])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+
+
+def test_lookahead_with_glm_positions(glm_checkpoint):
+    kind, folder, _ = glm_checkpoint
+    prompts = glm_prompts()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = LLM(str(folder), model=kind).generate(prompts, params)
+    outputs = LLM(str(folder), model=kind, decoding="lookahead").generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+
+
+def test_lookahead_with_mrope_positions(qwen2_vl, tmp_path):
+    requests, references = requests_and_references(qwen2_vl, tmp_path)
+    outputs = LLM(str(qwen2_vl[0]), model="qwen2_vl", decoding="lookahead").generate(
+        requests, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in references]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["decoding.window=0"], "decoding.window=0 must be an integer in [1, 64]"),
+    (["decoding.ngram=1"], "decoding.ngram=1 must be an integer in [2, 16]"),
+    (["decoding.candidates=-1"], "decoding.candidates=-1 must be an integer in [0, 64]"),
+    (["decoding.window=64", "decoding.ngram=16", "decoding.candidates=10"],
+     "(window + candidates) * (ngram - 1) = 1110 draft tokens per step; at most 1024"),
+])
+def test_bad_lookahead_settings_are_one_line(tmp_path, overrides, message):
+    with pytest.raises(ZooError) as info:
+        LLM(decoding="lookahead", overrides=overrides)
+    assert message in str(info.value)
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", "decoding=lookahead", *overrides], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_lookahead_under_sampling_keeps_the_target_distribution(checkpoints):
+    from test_speculative import exact_top_k_distribution
+
+    folder, model = checkpoints["llama"]
+    prompt = prompt_set()[0]
+    temperature, top_k, n = 1.5, 3, 1200
+    exact = exact_top_k_distribution(model, prompt, 3, temperature, top_k)
+    llm = LLM(str(folder), decoding="lookahead", overrides=["decoding.window=3", "decoding.ngram=3"],
+              max_num_seqs=64, max_num_batched_tokens=1024)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k, seed=s)
+              for s in range(n)]
+    counts = {}
+    for out in llm.generate([prompt] * n, params):
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert chi2 < 54.05, (chi2, counts)  # 26 degrees of freedom: P(chi2 > 54.05) = 0.001
+    assert llm.engine.stats.accepted_depth and llm.engine.stats.accepted_depth[0] > 0
