@@ -88,18 +88,20 @@ def test_contract_plugins_under_cuda_graphs(checkpoints):
 BF16_TIE = 0.05  # log-probability gap under which two bf16 candidates count as a near-tie
 
 
+@pytest.mark.parametrize("method", ["medusa", "lookahead"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_medusa_verify_steps_replay_as_graphs(checkpoints, dtype):
-    """Medusa's tokens equal plain decoding's with both on CUDA graphs (verify steps included); in bf16 a
+def test_verify_steps_replay_as_graphs(checkpoints, dtype, method):
+    """Drafted tokens equal plain decoding's with both on CUDA graphs (verify steps included); in bf16 a
     difference is allowed only where plain decoding's top two candidates were a near-tie."""
     folder, _ = checkpoints["llama"]
     prompts = prompt_set() * 2
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2)
     plain = LLM(str(folder), device="cuda", dtype=dtype).generate(prompts, params)
-    llm = LLM(str(folder), decoding="medusa", device="cuda", dtype=dtype)
+    llm = LLM(str(folder), decoding=method, device="cuda", dtype=dtype)
     assert llm.engine.uses_cuda_graphs
     outputs = llm.generate(prompts, params)
-    assert llm.engine.runner.graphs.replays.get(1 + 63, 0) > 0  # verify steps ran as graphs
+    stride = 1 + llm.engine.decoding.max_draft_tokens
+    assert llm.engine.runner.graphs.replays.get(stride, 0) > 0  # verify steps ran as graphs
     near_ties = 0
     for a, b in zip(plain, outputs):
         if a.token_ids == b.token_ids:
@@ -109,4 +111,4 @@ def test_medusa_verify_steps_replay_as_graphs(checkpoints, dtype):
         (first, second) = [value for _, value in a.logprobs[k]["top"]]
         assert first - second < BF16_TIE, (k, a.logprobs[k])
         near_ties += 1
-    print(f"medusa {dtype}: {near_ties} of {len(prompts)} sequences parted at a near-tie")
+    print(f"{method} {dtype}: {near_ties} of {len(prompts)} sequences parted at a near-tie")
