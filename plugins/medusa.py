@@ -136,6 +136,17 @@ class Medusa(DecodingMethod):
         self.max_draft_tokens = len(self.paths)
         self.top_k = 1 + max(p[-1] for p in self.paths)
         self.last_hidden: dict[int, torch.Tensor] = {}  # request id -> the state that predicted its last token
+        if settings["acceptance"] not in ("exact", "typical"):
+            raise ZooError(f"decoding.acceptance={settings['acceptance']!r} must be exact or typical")
+        if settings["acceptance"] == "typical":
+            self.threshold, self.alpha = float(settings["posterior_threshold"]), float(settings["posterior_alpha"])
+            self.accept = self.typical_acceptance
+
+    def typical_acceptance(self, target: torch.Tensor, tokens: list[int]) -> int | None:
+        """The first child whose target probability clears min(threshold, alpha * exp(-entropy))."""
+        entropy = -(target * target.clamp(min=1e-20).log()).sum()
+        bar = min(self.threshold, self.alpha * float(torch.exp(-entropy)))
+        return next((i for i, t in enumerate(tokens) if float(target[t]) > bar), None)
 
     @hookimpl
     def zoo_engine_start(self, engine):

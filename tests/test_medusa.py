@@ -191,3 +191,36 @@ def test_drafts_take_mrope_positions_with_images(qwen2_vl, tmp_path):
     assert sum(o.num_steps for o in outputs) < sum(len(o.token_ids) for o in outputs)
     medusa = LLM(folder, model="qwen2_vl", decoding="medusa").generate(requests, params)
     assert [o.token_ids for o in medusa] == [tokens for tokens, _ in references]
+
+
+def test_typical_acceptance_accepts_more_and_keeps_greedy_exact(checkpoints):
+    """Typical acceptance (sampled requests only) accepts any draft token the target finds likely enough:
+    more accepted than the exact rule, every token still inside the target's top-k support; greedy
+    requests are verified exactly as before."""
+    folder, model = checkpoints["llama"]
+    prompt = prompt_set()[1]
+    tree = "decoding.tree=[[0],[1],[2],[0,0],[1,0],[2,0],[0,0,0]]"
+    sampled = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, top_k=3, seed=s)
+               for s in range(32)]
+    rates = {}
+    for acceptance in ("exact", "typical"):
+        llm = LLM(str(folder), decoding="medusa", overrides=[tree, f"decoding.acceptance={acceptance}",
+                                                             "decoding.posterior_threshold=0.05",
+                                                             "decoding.posterior_alpha=0.05"])
+        outputs = llm.generate([prompt] * 32, sampled)
+        stats = llm.engine.stats
+        rates[acceptance] = stats.generated_tokens / stats.token_steps
+        for out in outputs[:4]:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+            top = logits.topk(3).indices
+            assert all(t in row for t, row in zip(out.token_ids, top.tolist()))
+        greedy = llm.generate(mixed_prompts(), SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        plain = LLM(str(folder)).generate(mixed_prompts(), SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        assert [o.token_ids for o in greedy] == [o.token_ids for o in plain]
+    assert rates["typical"] > rates["exact"], rates
+
+
+def test_unknown_acceptance_is_an_error():
+    with pytest.raises(ZooError, match="decoding.acceptance='nosuch' must be exact or typical"):
+        LLM(decoding="medusa", overrides=["decoding.acceptance=nosuch"])

@@ -47,7 +47,7 @@ class Committer:
         if entry.draft is None:
             tokens, logits_rows = [token], [rows[0]]
         else:
-            accepted, token = verify(request, entry.draft, logits[rows], self.sampler)
+            accepted, token = verify(request, entry.draft, logits[rows], self.sampler, engine.decoding)
             engine.stats.record_draft(max(entry.draft.depth(i) for i in range(len(entry.draft.tokens))),
                                       len(accepted))
             tokens = [entry.draft.tokens[i] for i in accepted] + [token]

@@ -107,6 +107,11 @@ class DraftBlock:
 class DecodingMethod:
     """A way to propose drafts; plugins subclass it and register a factory in ``zoo_decoding_methods``.
 
+    A method may define ``accept(target_probs, child_tokens) -> index or None`` to choose, for
+    sampled requests, which child of a node to accept under the target distribution of that
+    node, instead of the core's distribution-preserving rules (Medusa's typical acceptance,
+    which accepts more and no longer samples exactly from the target).
+
     ``max_draft_tokens`` is the largest block the method proposes for one sequence;
     the runner sizes its draft buffers from it once. The chosen method is also
     registered as a plugin of its engine, so it may implement hooks itself
@@ -163,18 +168,27 @@ def fit_drafts(method: DecodingMethod, drafts: dict[int, DraftBlock], requests: 
     return fitted
 
 
-def verify(request: "Request", draft: DraftBlock, logits: torch.Tensor, sampler: "Sampler") -> tuple[list[int], int]:
+def verify(request: "Request", draft: DraftBlock, logits: torch.Tensor, sampler: "Sampler",
+           method: DecodingMethod | None = None) -> tuple[list[int], int]:
     """``(accepted draft indices along one path, the next token after them)``.
 
     ``logits`` are ``[1 + len(draft), vocab]``: row 0 after the last committed
-    token, row ``1 + i`` after draft token ``i``.
+    token, row ``1 + i`` after draft token ``i``. A sampled request of a method
+    with its own ``accept`` rule (Medusa's typical acceptance) is verified by it.
     """
     accepted, node, history = [], -1, list(request.token_ids)
-    rejection = draft.probs is not None and request.params.temperature > 0
+    sampled = request.params.temperature > 0
+    rejection = draft.probs is not None and sampled
+    own_rule = getattr(method, "accept", None) if sampled else None
     while True:
         row = logits[node + 1:node + 2]
         children = draft.children(node)
-        if rejection and children:
+        if own_rule is not None and children:
+            target = sampler.probs(row, [request], [history])[0]
+            child = own_rule(target, [draft.tokens[c] for c in children])
+            child = None if child is None else children[child]
+            token = draft.tokens[child] if child is not None else sampler.draw(target, request)
+        elif rejection and children:
             child, token = _rejection_step(request, draft, children, sampler.probs(row, [request], [history])[0],
                                            sampler)
         else:
