@@ -25,7 +25,7 @@
 # Output in $OUT (at most 8 files come back from the device; two folder levels):
 #   base/gpu_rounds.json, current/gpu_rounds.json      list of bench/gpu.py records, one per round
 #   base/throughput.json, current/throughput.json      bench/throughput.py --json
-#   pytest_cuda.txt                                    test_gpu.py, then the whole suite with -x (PYTEST_X= : without; SUITE=0: test_gpu.py only)
+#   pytest_cuda.txt                                    test_gpu.py, then the whole suite with -x (PYTEST_X= : without; SUITE=0: test_gpu.py only; GPU_TESTS: other files for that first part)
 #   summary.txt                                        the table printed at the end
 #   logs.tgz                                           every log, gpu.md/png, pip output, the environment
 
@@ -230,7 +230,7 @@ if want tests; then
     return "$rc"
   }
   export -f pytest_cuda
-  run_part "pytest test_gpu.py" 240 "$STAGE/pytest_gpu.log" pytest_cuda test_gpu -q -p no:cacheprovider tests/test_gpu.py
+  run_part "pytest test_gpu.py" 240 "$STAGE/pytest_gpu.log" pytest_cuda test_gpu -q -p no:cacheprovider ${GPU_TESTS:-tests/test_gpu.py}
   [ "${SUITE:-1}" = 1 ] && run_part "pytest tests" 540 "$STAGE/pytest_all.log" pytest_cuda suite -q ${PYTEST_X--x} -p no:cacheprovider tests
 fi
 
