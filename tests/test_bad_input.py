@@ -91,7 +91,7 @@ def test_hub_id_offline_without_cache(tmp_path):
     ("sampling.temperature=-1", "temperature=-1"),
     ("output.format=xml", "output.format='xml'"),
     ("input.file=/no/such/file.jsonl", "cannot read input.file"),
-    ("model=nonexistent", "Could not find 'model/nonexistent'"),
+    ("model=nonexistent", "model=nonexistent: no such option (available: chatglm, glm, gpt2, llama, qwen2_vl)"),
 ])
 def test_bad_config_is_fatal_with_message(override, message, tmp_path):
     proc = zoo_run(override, cwd=tmp_path)

@@ -224,3 +224,10 @@ def test_typical_acceptance_accepts_more_and_keeps_greedy_exact(checkpoints):
 def test_unknown_acceptance_is_an_error():
     with pytest.raises(ZooError, match="decoding.acceptance='nosuch' must be exact or typical"):
         LLM(decoding="medusa", overrides=["decoding.acceptance=nosuch"])
+
+
+def test_an_unknown_method_is_one_line_listing_the_options(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", "decoding=nosuch"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: decoding=nosuch: no such option (available: lookahead, medusa, none)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -31,8 +31,21 @@ def compose_config(overrides: list[str] = ()) -> DictConfig:
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
             return compose(config_name="config", overrides=list(overrides))
+    except MissingConfigException as exc:
+        if exc.options is None:
+            raise ZooError(f"bad config override: {exc}") from None
+        group, _, option = str(exc.missing_cfg_file).rpartition("/")
+        raise ZooError(f"{group}={option}: no such option (available: {', '.join(exc.options)})") from None
     except (HydraException, OmegaConfBaseException) as exc:
         raise ZooError(f"bad config override: {exc}") from None
+
+
+def check_group_options(argv: list[str]) -> None:
+    """``group=option`` arguments name existing options (Hydra would print its search path, exit 1)."""
+    groups = {"model", "decoding", "runtime", "processor", "experiment"}
+    chosen = [a for a in argv if "=" in a and a.split("=", 1)[0] in groups and "," not in a]
+    if chosen:
+        compose_config(chosen)
 
 
 def to_plain(cfg) -> dict:

@@ -139,8 +139,9 @@ def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
     if name in (None, "none"):
         return None
     if name not in registry:
-        raise ZooError(f"decoding={name}: no plugin that takes part registers it "
-                       f"(registered: {', '.join(sorted(registry)) or 'none'})")
+        known = sorted(set(registry) | {m for s in getattr(engine, "plugins", ()) for m in s.decoding_methods})
+        raise ZooError(f"decoding={name}: no plugin that takes part registers it (methods: "
+                       f"{', '.join(known) or 'none'}; decoding=NAME chooses a method's own option)")
     method = registry[name][1](engine)
     if not isinstance(method.max_draft_tokens, int) or method.max_draft_tokens < 1:
         raise ZooError(f"decoding method {name!r} declares max_draft_tokens={method.max_draft_tokens!r}; "

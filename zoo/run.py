@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.config import register_plugin_configs
+from zoo.config import check_group_options, register_plugin_configs
 from zoo.errors import ZooError
 from zoo.llm import LLM
 
@@ -81,6 +81,7 @@ def _main(cfg: DictConfig) -> None:
 def main() -> None:
     try:
         register_plugin_configs()
+        check_group_options(sys.argv[1:])
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

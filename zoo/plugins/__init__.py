@@ -53,6 +53,7 @@ class PluginStatus:
     active: bool
     reason: str
     request_fields: tuple[str, ...] = ()  # what it reads from requests (zoo_request_fields), active or not
+    decoding_methods: tuple[str, ...] = ()  # what it registers (zoo_decoding_methods), active or not
 
 
 def _origin(entry_point) -> str:
@@ -177,13 +178,16 @@ def plan_plugins(pm: pluggy.PluginManager, config, architecture: str | None) -> 
             if not verdicts[needed][0]:
                 verdicts[needed] = (True, f"required by {name}")
                 pending.append(needed)
-    rows = [PluginStatus(name, *verdicts[name], tuple(_request_fields(plugins[name]))) for name in sorted(plugins)]
+    rows = [PluginStatus(name, *verdicts[name], tuple(_hook_result(plugins[name], "zoo_request_fields")),
+                         tuple(_hook_result(plugins[name], "zoo_decoding_methods")))
+            for name in sorted(plugins)]
     rows += [PluginStatus(name, False, why) for name, why in sorted(getattr(pm, "zoo_left_out", {}).items())]
     return rows
 
 
-def _request_fields(plugin) -> list[str]:
-    hook = getattr(plugin, "zoo_request_fields", None)
+def _hook_result(plugin, hook_name: str) -> list[str]:
+    """What a registration-style hook of one plugin returns (names only), whether it takes part or not."""
+    hook = getattr(plugin, hook_name, None)
     return list(hook() or []) if callable(hook) else []
 
 
