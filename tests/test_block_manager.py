@@ -409,3 +409,20 @@ def test_a_waiting_request_giving_back_cache_hits_frees_nothing_in_use():
     assert b.num_hashed_blocks == 0 and b.block_ids == []
     assert [blocks.ref_counts[x] for x in a.block_ids] == [1, 1, 1]
     check_consistent(blocks, [a])
+
+
+def test_blocks_keyed_on_the_next_token_are_shared_only_where_it_is_equal():
+    """lookahead=1 (EAGLE's draft pairs each position with the next token): a block is keyed on the token after it."""
+    blocks = BlockManager(num_blocks=16, block_size=4, lookahead=1)
+    a = make_request(0, list(range(10)))  # blocks [0..3], [4..7]; the second is keyed on token 8 too
+    admit_and_compute(blocks, a)
+    same_next = make_request(1, list(range(9)) + [50, 51])
+    blocks.allocate_cached_prefix(same_next)
+    assert same_next.block_ids == a.block_ids[:2] and same_next.num_computed_tokens == 8
+    other_next = make_request(2, list(range(8)) + [60, 61, 62])
+    blocks.allocate_cached_prefix(other_next)
+    assert other_next.block_ids == a.block_ids[:1] and other_next.num_computed_tokens == 4
+    # A block whose next token is not known yet is not cached at all.
+    c = make_request(3, list(range(100, 108)))
+    admit_and_compute(blocks, c)
+    assert c.num_hashed_blocks == 1

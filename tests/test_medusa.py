@@ -230,4 +230,4 @@ def test_an_unknown_method_is_one_line_listing_the_options(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zoo.run", "decoding=nosuch"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: decoding=nosuch: no such option (available: lookahead, medusa, none)")
+        "error: decoding=nosuch: no such option (available: eagle, lookahead, medusa, none)")

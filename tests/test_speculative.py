@@ -222,7 +222,7 @@ def test_plain_decoding_allocates_no_draft_buffers():
 def test_decoding_names_are_checked():
     import zoo
 
-    with pytest.raises(zoo.ZooError, match=r"decoding=nosuch: no plugin that takes part registers it \(methods: a, "
+    with pytest.raises(zoo.ZooError, match=r"decoding=nosuch: no plugin that takes part registers it \(methods: a, eagle, "
                                             r"lookahead, medusa;"):
         LLM(plugins=[with_method("a", OracleDrafter({}, "chain"))], overrides=["decoding.name=nosuch"])
     with pytest.raises(zoo.ZooError, match="both register decoding method 'a'"):

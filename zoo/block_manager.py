@@ -14,10 +14,13 @@ from zoo.request import Request
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, lookahead: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Tokens past a block's end that its K/V also depend on (EAGLE's draft pairs a position with the
+        # next token): a block is keyed on them too, so it is shared only where they are equal.
+        self.lookahead = lookahead
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_hash: dict[int, int] = {}
@@ -74,8 +77,8 @@ class BlockManager:
             return
         tokens = request.token_ids
         parent = self._root_hash(request)
-        for i in range((len(tokens) - 1) // self.block_size):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+        for i in range((len(tokens) - 1 - self.lookahead) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size + self.lookahead])
             h = self._chain_hash(parent, chunk)
             block = self.hash_to_block.get(h)
             if block is None or self.block_tokens.get(block) != chunk:
@@ -116,14 +119,14 @@ class BlockManager:
         """Hash the request's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        full = min(request.num_computed_tokens, request.num_tokens - self.lookahead) // self.block_size
         if full <= request.num_hashed_blocks:
             return  # most steps: no block filled up, so skip building the token list
         tokens = request.token_ids
         for i in range(request.num_hashed_blocks, full):
             block = request.block_ids[i]
             parent = self.block_hash.get(request.block_ids[i - 1]) if i else self._root_hash(request)
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size + self.lookahead])
             h = self._chain_hash(parent, chunk)
             self.block_hash[block] = h
             self.block_tokens[block] = chunk

@@ -46,7 +46,8 @@ class Engine:
         self.max_model_len = min(self.description.max_position, runtime["max_model_len"] or 1 << 62)
         self.block_size = int(runtime["block_size"])
         self.runner = self._start_runner(runtime)
-        self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime["enable_prefix_caching"]))
+        self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime["enable_prefix_caching"]),
+                                   self.setup.cache_lookahead)
         self.scheduler = Scheduler(self.blocks, int(runtime["max_num_seqs"]), int(runtime["max_num_batched_tokens"]))
         self.sampler = Sampler(self.hooks, self, int(runtime["seed"]), self.device, self.description.eos_token_ids)
         self.stats = EngineStats()
@@ -66,7 +67,8 @@ class Engine:
                                  attention_backend=str(runtime["attention_backend"]))
         except ValueError as exc:
             raise ZooError(str(exc)) from None
-        self.hooks.zoo_engine_start(engine=self, setup=EngineSetup(runner))
+        self.setup = EngineSetup(runner)
+        self.hooks.zoo_engine_start(engine=self, setup=self.setup)
         self.num_blocks, self.profile_peak_bytes = plan_num_blocks(runtime, runner.kv, runner.profile_peak_memory,
                                                                    blocks_per_seq * max_num_seqs)
         runner.kv.allocate(self.num_blocks)

@@ -29,6 +29,12 @@ class EngineSetup:
 
     def __init__(self, runner):
         self.runner = runner
+        self.cache_lookahead = 0
+
+    def key_blocks_on_next_tokens(self, count: int) -> None:
+        """Cached blocks also depend on the ``count`` tokens after them (a draft layer pairing each position
+        with the next token): prefix caching then shares a block only where those tokens are equal too."""
+        self.cache_lookahead = max(self.cache_lookahead, count)
 
     @property
     def limits(self):

@@ -1,0 +1,283 @@
+"""EAGLE (Li et al. 2024): a one-layer draft model over the target's features, with an EAGLE-2 dynamic tree.
+
+The draft reads pairs (target feature at position ``j``, token ``j + 1``):
+``fc([embed(token); feature])`` through one Llama decoder layer (no input
+norm), and the target's LM head on its output predicts the token after. Its
+K/V live in a KV-cache layer of zoo's block pool (``setup.add_kv_layers``):
+after every target step the pairs of the positions the step kept are run
+through it ("extend"), so the draft cache follows the target's, through
+chunked prefill, preemption and prefix caching. Drafting then grows a tree
+from the last committed token: each of ``depth`` passes expands the
+``top_k`` best nodes so far by their ``top_k`` likeliest tokens; the
+``total_tokens - 1`` nodes with the highest cumulative draft log-probability
+become the draft block. Speculative nodes keep their K/V in the request's
+slots after its last token (the verify step lays its block there later).
+
+``decoding.heads=DIR`` loads the released EAGLE-1/2 layout from safetensors:
+``config.json`` (Llama fields, ``bias``) and ``model.safetensors`` with
+``fc.weight``, ``fc.bias``, ``layers.0.self_attn.*``, ``layers.0.mlp.*``,
+``layers.0.post_attention_layernorm.weight``. Without it the draft starts
+from random weights: tokens stay exact, nothing is accepted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zoo import DecodingMethod, DraftBlock, Scope, ZooError, hookimpl
+from zoo.forward_context import ForwardContext, forward_context
+from zoo.model import DecoderLayer
+from zoo.step_inputs import StepLayout
+
+zoo_scope = Scope(option="decoding=eagle")
+WEIGHTS = "model.safetensors"
+
+
+class EagleDraft(nn.Module):
+    def __init__(self, desc, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(2 * desc.hidden_size, desc.hidden_size, bias=bias)
+        self.layer = DecoderLayer(desc)
+        self.layer.input_layernorm = nn.Identity()  # EAGLE's draft layer reads fc's output as it is
+
+    def forward(self, embeds, features, rope):
+        mlp_out, residual = self.layer(self.fc(torch.cat([embeds, features], dim=-1)), None, rope)
+        return mlp_out + residual
+
+
+def draft_description(target, folder: Path | None):
+    """The draft layer's shape: the target's, with the draft config's own sizes where it has one."""
+    desc = copy.deepcopy(target)
+    desc.num_layers = 1
+    if folder is None:
+        return desc, True
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ZooError(f"decoding.heads={folder}: cannot read config.json ({exc})") from None
+    if config.get("hidden_size", desc.hidden_size) != desc.hidden_size:
+        raise ZooError(f"decoding.heads={folder}: the draft has hidden size {config['hidden_size']}, the model "
+                       f"{desc.hidden_size}")
+    desc.intermediate_size = config.get("intermediate_size", desc.intermediate_size)
+    desc.num_heads = config.get("num_attention_heads", desc.num_heads)
+    desc.num_kv_heads = config.get("num_key_value_heads", desc.num_heads)
+    desc.norm_eps = config.get("rms_norm_eps", desc.norm_eps)
+    return desc, bool(config.get("bias", True))
+
+
+def load_draft(folder: Path, desc, bias: bool) -> EagleDraft:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not (folder / WEIGHTS).exists():
+        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = (f"; {pickled[0]} is a pickle, which zoo does not load (loading it runs code): convert it with "
+                f"safetensors.torch.save_file(torch.load(...), '{WEIGHTS}')") if pickled else ""
+        raise ZooError(f"decoding.heads={folder}: {WEIGHTS} not found{hint}")
+    try:
+        tensors = load_file(str(folder / WEIGHTS))
+    except (OSError, SafetensorError) as exc:
+        raise ZooError(f"decoding.heads={folder}: cannot read {WEIGHTS} ({exc})") from None
+    tensors = {k.replace("layers.0.", "layer.", 1): v for k, v in tensors.items() if k != "embed_tokens.weight"}
+    draft = EagleDraft(desc, bias)
+    expected = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if got != expected:
+        wrong = sorted(k for k in expected if got.get(k) != expected[k]) or sorted(set(got) - set(expected))
+        raise ZooError(f"decoding.heads={folder}: the draft does not fit this model: {wrong[0]} is "
+                       f"{got.get(wrong[0])}, expected {expected.get(wrong[0])}")
+    draft.load_state_dict(tensors)
+    return draft
+
+
+class Eagle(DecodingMethod):
+    name = "eagle"
+
+    def __init__(self, engine):
+        settings, desc = engine.config["decoding"], engine.description
+        if desc.position != "rope" or desc.position_rows != 1:
+            raise ZooError(f"decoding=eagle drafts with one rotary position row; {desc.architecture} has "
+                           f"{desc.position} positions in {desc.position_rows} row(s)")
+        self.top_k, self.depth = int(settings["top_k"]), int(settings["depth"])
+        self.max_draft_tokens = int(settings["total_tokens"]) - 1
+        if not (1 <= self.top_k <= 64 and 1 <= self.depth <= 16 and self.max_draft_tokens >= 1):
+            raise ZooError("decoding=eagle needs top_k in [1, 64], depth in [1, 16] and total_tokens >= 2")
+        if self.top_k * self.depth > self.max_draft_tokens:
+            raise ZooError(f"decoding=eagle: top_k * depth = {self.top_k * self.depth} expanded nodes need as many "
+                           f"draft slots; raise total_tokens above {self.top_k * self.depth}")
+        folder = Path(str(settings["heads"])).expanduser() if settings["heads"] else None
+        if folder is not None and not folder.is_dir():
+            raise ZooError(f"decoding.heads={folder}: no such folder")
+        draft_desc, bias = draft_description(desc, folder)
+        if folder is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.draft = EagleDraft(draft_desc, bias)
+        else:
+            self.draft = load_draft(folder, draft_desc, bias)
+        self.engine = engine
+        self.roots: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (num_tokens, draft feature at n-1)
+
+    @hookimpl
+    def zoo_engine_start(self, engine, setup):
+        if self.draft is not None and not self.engine.config["decoding"]["heads"]:
+            print("note: decoding=eagle starts from a random draft layer (no decoding.heads): tokens are exact, "
+                  "nothing is accepted until it is trained", file=sys.stderr)
+        self.draft = self.draft.to(engine.device, engine.dtype).eval()
+        setup.add_kv_layers([self.draft.layer.self_attn])
+        setup.key_blocks_on_next_tokens(1)  # the draft K/V at position j pairs it with token j + 1
+
+    # ------------------------------------------------------------------ one pass of the draft layer
+
+    def _run(self, groups, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Draft outputs for query tokens laid out by ``groups``: per request (request, queries, draft start),
+        each query (cache index, position, draft offsets it sees or None for plain causal)."""
+        runner = self.engine.runner
+        layout = StepLayout(1, runner.block_size)
+        for b, (request, queries, draft_start) in enumerate(groups):
+            first = len(layout.input_ids)
+            layout.offsets.append(first)
+            for q, (cache_index, position, sees) in enumerate(queries):
+                layout.input_ids.append(0)
+                layout.positions[0].append(position)
+                block = request.block_ids[cache_index // runner.block_size]
+                layout.slots.append(block * runner.block_size + cache_index % runner.block_size)
+                layout.token_seq.append(b)
+                layout.query_index.append(q)
+                if sees:
+                    layout.has_drafts = True
+                    layout.draft_visible += [(first + q, offset) for offset in sees]
+            layout.visible_rows.append([c for c, _, _ in queries])
+            layout.index_rows.append([p for _, p, _ in queries])
+            layout.context_lens.append(max(c for c, _, _ in queries) + 1)
+            layout.draft_starts.append(draft_start)
+        max_query, num_blocks = layout.write(runner.buffers, [g[0].block_ids for g in groups])
+        num_tokens = len(layout.input_ids)
+        use_kernel = runner.decode_kernel and max_query <= 1 + runner.limits.max_draft_tokens
+        meta = runner.attention_metadata(num_tokens, len(groups), max_query, num_blocks, layout.has_drafts,
+                                         use_kernel)
+        buffers = runner.step_buffers({"token": num_tokens, "seq": len(groups)})
+        model = self.engine.model
+        with torch.inference_mode(), forward_context(ForwardContext(meta, buffers, None)):
+            positions = buffers["positions"]
+            rope = (model.model.rotary, model.model.rotary.prepare(positions, features.dtype))
+            embeds = model.model.embed_tokens(torch.tensor(tokens, device=features.device))
+            return self.draft(embeds, features, rope)
+
+    # ------------------------------------------------------------------ extend: follow the target's cache
+
+    @hookimpl
+    def zoo_step_results(self, results):
+        """Run the pairs (feature at j, token j + 1) of every position the step kept through the draft."""
+        groups, tokens, rows, last = [], [], [], []
+        for seq in results.sequences:
+            request = seq.request
+            if request.is_finished or not seq.rows:
+                continue
+            first = seq.first_index
+            queries = [(first + k, first + k, None) for k in range(len(seq.rows))]
+            groups.append((request, queries, first + len(seq.rows)))
+            tokens += [request.token_at(j + 1) for j in range(first, first + len(seq.rows))]
+            rows += seq.rows
+            last.append(len(rows) - 1 if first + len(seq.rows) == request.num_tokens - 1 else None)
+        if not groups:
+            return
+        outputs = self._run(groups, tokens, results.hidden_states(rows))
+        for (request, _, _), row in zip(groups, last):
+            if row is not None:  # the request decodes next: its root feature is the last pair's output
+                self.roots[request.request_id] = (request.num_tokens, outputs[row])
+
+    @hookimpl
+    def zoo_request_finished(self, request):
+        self.roots.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ propose: grow the tree
+
+    @torch.inference_mode()
+    def propose(self, requests):
+        ready = []
+        for request in requests:
+            root = self.roots.get(request.request_id)
+            # The expanded nodes' K/V go to the slots after the last token: they must exist now.
+            if root is not None and root[0] == request.num_tokens and self.engine.blocks.ensure_slots(
+                    request, request.num_tokens + self.top_k * self.depth):
+                ready.append(request)
+        if not ready:
+            return {}
+        lm_head = self.engine.model.lm_head
+        features = torch.stack([self.roots[r.request_id][1] for r in ready])
+        nodes = [[] for _ in ready]  # per request: [token, parent, score, depth, output feature or None, slot id]
+        frontier = self._expand(nodes, [[(-1, 0.0, f)] for f in features], lm_head, depth=1)
+        for depth in range(2, self.depth + 1):
+            groups, tokens, parent_features = [], [], []
+            for request, tree, chosen in zip(ready, nodes, frontier):
+                n = request.num_tokens
+                queries = []
+                for index in chosen:
+                    node = tree[index]
+                    node[5] = sum(1 for x in tree if x[5] is not None)
+                    sees = [tree[a][5] + 1 for a in self._path(tree, index)]
+                    queries.append((n + node[5], n - 2 + node[3], sees))
+                    tokens.append(node[0])
+                    parent_features.append(tree[node[1]][4] if node[1] >= 0 else self.roots[request.request_id][1])
+                # The root's own slot (n - 1) holds nothing of the draft's yet: the block starts there.
+                groups.append((request, queries, n - 1))
+            outputs = self._run(groups, tokens, torch.stack(parent_features))
+            expanded, k = [], 0
+            for tree, chosen in zip(nodes, frontier):
+                expanded.append([])
+                for index in chosen:
+                    tree[index][4] = outputs[k]
+                    expanded[-1].append((index, tree[index][2], outputs[k]))
+                    k += 1
+            frontier = self._expand(nodes, expanded, lm_head, depth)
+        return {r.request_id: self._block(tree) for r, tree in zip(ready, nodes)}
+
+    def _expand(self, nodes, parents, lm_head, depth: int) -> list[list[int]]:
+        """Children of each request's parents (index, score, output feature): the top_k likeliest tokens of each;
+        returns the indices of the top_k best new nodes per request (the next frontier)."""
+        flat = torch.stack([f for group in parents for _, _, f in group])
+        logprobs = torch.log_softmax(lm_head(flat).float(), dim=-1).topk(self.top_k, dim=-1)
+        tokens, scores = logprobs.indices.tolist(), logprobs.values.tolist()
+        frontier, k = [], 0
+        for tree, group in zip(nodes, parents):
+            start = len(tree)
+            for parent, score, _ in group:
+                for token, logprob in zip(tokens[k], scores[k]):
+                    tree.append([token, parent, score + logprob, depth, None, None])
+                k += 1
+            best = sorted(range(start, len(tree)), key=lambda i: -tree[i][2])[:self.top_k]
+            frontier.append(best)
+        return frontier
+
+    @staticmethod
+    def _path(tree, index: int) -> list[int]:
+        path = []
+        while index >= 0:
+            path.append(index)
+            index = tree[index][1]
+        return path
+
+    def _block(self, tree) -> DraftBlock:
+        """The likeliest nodes (a parent is at least as likely as its child), parents first."""
+        chosen, kept = [], set()
+        for i in sorted(range(len(tree)), key=lambda i: (-tree[i][2], tree[i][3])):
+            if len(chosen) == self.max_draft_tokens:
+                break
+            if tree[i][1] < 0 or tree[i][1] in kept:
+                chosen.append(i)
+                kept.add(i)
+        chosen.sort(key=lambda i: (tree[i][3], i))
+        index = {old: new for new, old in enumerate(chosen)}
+        return DraftBlock([tree[i][0] for i in chosen], [index.get(tree[i][1], -1) for i in chosen])
+
+
+@hookimpl
+def zoo_decoding_methods():
+    return {"eagle": Eagle}

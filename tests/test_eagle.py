@@ -1,0 +1,183 @@
+"""decoding=eagle: exact greedy tokens, and the draft layer's features against a dense recomputation.
+
+The draft's K/V live in zoo's paged cache and follow the target's through chunked prefill, preemption
+and prefix caching. The check: after every step, the draft feature each decoding request drafts from
+equals a recomputation written here from the EAGLE-1 architecture, reading the draft's tensors by their
+released names and the target's features from transformers' hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_glm import glm_checkpoint  # noqa: F401  (a fixture)
+from test_medusa import REGIMES, mixed_prompts
+from zoo import LLM, SamplingParams, ZooError, hookimpl
+
+MAX_NEW = 8
+ATOL = 1e-4  # float32
+
+
+def write_eagle_heads(folder, hidden=64, intermediate=96, heads=4, kv_heads=2, seed=0):
+    """A draft folder in EAGLE's released layout (Llama config fields, fc with bias, layer 0 without input norm)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    head_dim = hidden // heads
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    tensors = {"fc.weight": rand(hidden, 2 * hidden), "fc.bias": rand(hidden),
+               "layers.0.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+               "layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+               "layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+               "layers.0.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+               "layers.0.mlp.gate_proj.weight": rand(intermediate, hidden),
+               "layers.0.mlp.up_proj.weight": rand(intermediate, hidden),
+               "layers.0.mlp.down_proj.weight": rand(hidden, intermediate),
+               "layers.0.post_attention_layernorm.weight": 1 + rand(hidden)}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "bias": True}))
+    return tensors
+
+
+def dense_draft_feature(t, hf_model, tokens: list[int], heads=4, kv_heads=2) -> torch.Tensor:
+    """EAGLE-1's draft over pairs (feature j, token j + 1), j = 0..len-2, computed in one pass: the last output."""
+    with torch.no_grad():
+        features = hf_model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0, :-1]
+        embeds = hf_model.get_input_embeddings()(torch.tensor(tokens[1:]))
+        x = F.linear(torch.cat([embeds, features], -1), t["fc.weight"], t["fc.bias"])
+        n, hidden = x.shape
+        d = hidden // heads
+        q = F.linear(x, t["layers.0.self_attn.q_proj.weight"]).view(n, heads, d).transpose(0, 1)
+        k = F.linear(x, t["layers.0.self_attn.k_proj.weight"]).view(n, kv_heads, d).transpose(0, 1)
+        v = F.linear(x, t["layers.0.self_attn.v_proj.weight"]).view(n, kv_heads, d).transpose(0, 1)
+        theta = hf_model.config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+        if hf_model.config.rope_parameters.get("rope_type") == "llama3":
+            inv_freq = hf_llama3_scaling(inv_freq, hf_model.config.rope_parameters)
+        angles = torch.arange(n).float()[:, None] * inv_freq[None]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+        def rotate(y):
+            return y * cos + torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1) * sin
+
+        k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+        attn = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+        h = x + F.linear(attn.transpose(0, 1).reshape(n, hidden), t["layers.0.self_attn.o_proj.weight"])
+        normed = F.rms_norm(h, (hidden,), eps=1e-6) * t["layers.0.post_attention_layernorm.weight"]
+        mlp = F.linear(F.silu(F.linear(normed, t["layers.0.mlp.gate_proj.weight"]))
+                       * F.linear(normed, t["layers.0.mlp.up_proj.weight"]), t["layers.0.mlp.down_proj.weight"])
+        return (h + mlp)[-1]
+
+
+def hf_llama3_scaling(inv_freq, p):
+    wavelen = 2 * math.pi / inv_freq
+    old, low, high, factor = (p["original_max_position_embeddings"], p["low_freq_factor"], p["high_freq_factor"],
+                              p["factor"])
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+class RootRecorder:
+    """After each step (and after the method's own hook, registered later), the roots it drafts from."""
+
+    name = "root_recorder"
+
+    def __init__(self):
+        self.engine, self.seen = None, []
+
+    @hookimpl
+    def zoo_engine_start(self, engine):
+        self.engine = engine
+
+    @hookimpl
+    def zoo_step_results(self, results):
+        roots = self.engine.decoding.roots
+        for seq in results.sequences:
+            root = roots.get(seq.request.request_id)
+            if root is not None and root[0] == seq.request.num_tokens and not seq.request.is_finished:
+                self.seen.append((seq.request.token_ids, root[1].float().cpu()))
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eagle")
+    return folder, write_eagle_heads(folder)
+
+
+@pytest.mark.parametrize("regime", list(REGIMES) + ["prefix_cache"])
+def test_eagle_is_exact_and_its_draft_follows_the_target(checkpoints, eagle_heads, regime):
+    folder, hf_model = checkpoints["llama"]
+    heads, tensors = eagle_heads
+    runtime = REGIMES.get(regime, dict(block_size=4))
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts = mixed_prompts()
+    plain = LLM(str(folder), **runtime).generate(prompts, params)
+    recorder = RootRecorder()
+    llm = LLM(str(folder), decoding="eagle", plugins=[recorder], overrides=[f"decoding.heads={heads}"], **runtime)
+    outputs = llm.generate(prompts, params)
+    if regime == "prefix_cache":  # the second time round the prompts' blocks come from the cache
+        outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert recorder.seen and llm.engine.stats.drafted_depth[0] > 0
+    for tokens, root in recorder.seen[::3]:
+        torch.testing.assert_close(root, dense_draft_feature(tensors, hf_model, tokens), atol=ATOL, rtol=0)
+    if regime == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    if regime == "prefix_cache":
+        assert llm.engine.blocks.prefix_hit_tokens > 0
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_a_random_draft_is_exact_too(checkpoints, capfd):
+    folder, _ = checkpoints["llama"]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    plain = LLM(str(folder)).generate(mixed_prompts(), params)
+    outputs = LLM(str(folder), decoding="eagle").generate(mixed_prompts(), params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert "decoding=eagle starts from a random draft layer" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("decoding.heads={missing}", "decoding.heads={missing}: no such folder"),
+    ("decoding.heads={pickled}", "pytorch_model.bin is a pickle, which zoo does not load"),
+    ("decoding.heads={wrong_size}", "the draft has hidden size 32, the model 64"),
+    ("decoding.top_k=16", "top_k * depth = 80 expanded nodes need as many draft slots; raise total_tokens above 80"),
+])
+def test_bad_eagle_settings_are_one_line(checkpoints, tmp_path, override, message):
+    folder, _ = checkpoints["llama"]
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"not loaded")
+    (tmp_path / "pickled" / "config.json").write_text("{}")
+    write_eagle_heads(tmp_path / "wrong_size", hidden=32, intermediate=64)
+    paths = {k: tmp_path / k for k in ("missing", "pickled", "wrong_size")}
+    override, message = override.format(**paths), message.format(**paths)
+    with pytest.raises(ZooError) as info:
+        LLM(str(folder), decoding="eagle", overrides=[override])
+    assert message in str(info.value)
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", "decoding=eagle", override],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_eagle_on_a_model_with_2d_positions_is_a_clear_error(glm_checkpoint):
+    kind, folder, _ = glm_checkpoint
+    with pytest.raises(ZooError, match="decoding=eagle drafts with one rotary position row"):
+        LLM(str(folder), model=kind, decoding="eagle")
