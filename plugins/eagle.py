@@ -32,7 +32,7 @@ from torch import nn
 
 from zoo import DecodingMethod, DraftBlock, Scope, ZooError, hookimpl
 from zoo.forward_context import ForwardContext, forward_context
-from zoo.model import DecoderLayer
+from zoo.model import MLP, Attention, DecoderLayer, RMSNorm
 from zoo.step_inputs import StepLayout
 
 zoo_scope = Scope(option="decoding=eagle")
@@ -40,23 +40,79 @@ WEIGHTS = "model.safetensors"
 
 
 class EagleDraft(nn.Module):
+    """EAGLE-1/2: ``fc([embed; feature])`` through one decoder layer without an input norm."""
+
     def __init__(self, desc, bias: bool):
         super().__init__()
         self.fc = nn.Linear(2 * desc.hidden_size, desc.hidden_size, bias=bias)
         self.layer = DecoderLayer(desc)
         self.layer.input_layernorm = nn.Identity()  # EAGLE's draft layer reads fc's output as it is
 
+    @property
+    def attention(self) -> nn.Module:
+        return self.layer.self_attn
+
     def forward(self, embeds, features, rope):
         mlp_out, residual = self.layer(self.fc(torch.cat([embeds, features], dim=-1)), None, rope)
         return mlp_out + residual
 
+    def top_k(self, outputs, k: int, target_lm_head):
+        """(target token ids, log-probabilities) of the ``k`` likeliest next tokens after each output."""
+        return torch.log_softmax(target_lm_head(outputs).float(), dim=-1).topk(k, dim=-1)
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3: three target layers' features through ``fc``; the layer attends over [norm(embed); norm(feature)];
+    its own head over a reduced vocabulary, mapped to the target's by ``d2t`` (target id = id + d2t[id])."""
+
+    def __init__(self, desc, target_hidden: int, draft_vocab: int):
+        super().__init__()
+        hidden = desc.hidden_size
+        self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
+        self.midlayer = nn.Module()
+        self.midlayer.self_attn = Attention(desc)
+        for name in ("q_proj", "k_proj", "v_proj"):  # they read the embedding and the feature side by side
+            old = getattr(self.midlayer.self_attn, name)
+            setattr(self.midlayer.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+        self.midlayer.mlp = MLP(desc)
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            setattr(self.midlayer, name, RMSNorm(hidden, desc.norm_eps))
+        self.norm = RMSNorm(hidden, desc.norm_eps)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+
+    @property
+    def attention(self) -> nn.Module:
+        return self.midlayer.self_attn
+
+    def forward(self, embeds, features, rope):
+        layer = self.midlayer
+        if features.shape[-1] != embeds.shape[-1]:  # the target's three layers, not the draft's own output
+            features = self.fc(features)
+        mixed = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(features)], dim=-1)
+        hidden = features + layer.self_attn(mixed, rope)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def top_k(self, outputs, k: int, target_lm_head):
+        best = torch.log_softmax(self.lm_head(self.norm(outputs)).float(), dim=-1).topk(k, dim=-1)
+        return torch.return_types.topk((best.indices + self.d2t[best.indices], best.values))
+
+
+def feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high features: the inputs of layers 2, L // 2 and L - 3 (outputs of the one before)."""
+    layers = sorted({2, num_layers // 2, num_layers - 3})
+    if len(layers) != 3 or layers[0] < 1:
+        raise ZooError(f"EAGLE-3 reads three distinct target layers; a model of {num_layers} layers has no such "
+                       "three (it needs at least 8)")
+    return [i - 1 for i in layers]
+
 
 def draft_description(target, folder: Path | None):
-    """The draft layer's shape: the target's, with the draft config's own sizes where it has one."""
+    """The draft layer's shape (the target's, with the draft config's own sizes where it has one), its config."""
     desc = copy.deepcopy(target)
     desc.num_layers = 1
     if folder is None:
-        return desc, True
+        return desc, {}
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -68,10 +124,11 @@ def draft_description(target, folder: Path | None):
     desc.num_heads = config.get("num_attention_heads", desc.num_heads)
     desc.num_kv_heads = config.get("num_key_value_heads", desc.num_heads)
     desc.norm_eps = config.get("rms_norm_eps", desc.norm_eps)
-    return desc, bool(config.get("bias", True))
+    desc.head_dim = desc.hidden_size // desc.num_heads
+    return desc, config
 
 
-def load_draft(folder: Path, desc, bias: bool) -> EagleDraft:
+def load_draft(folder: Path, desc, bias: bool, config: dict) -> nn.Module:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -84,8 +141,13 @@ def load_draft(folder: Path, desc, bias: bool) -> EagleDraft:
         tensors = load_file(str(folder / WEIGHTS))
     except (OSError, SafetensorError) as exc:
         raise ZooError(f"decoding.heads={folder}: cannot read {WEIGHTS} ({exc})") from None
-    tensors = {k.replace("layers.0.", "layer.", 1): v for k, v in tensors.items() if k != "embed_tokens.weight"}
-    draft = EagleDraft(desc, bias)
+    tensors = {k.replace("layers.0.", "layer.", 1): v for k, v in tensors.items()
+               if k not in ("embed_tokens.weight", "t2d")}
+    if any(k.startswith("midlayer.") for k in tensors):
+        draft = Eagle3Draft(desc, config.get("target_hidden_size", desc.hidden_size),
+                            config.get("draft_vocab_size", desc.vocab_size))
+    else:
+        draft = EagleDraft(desc, bias)
     expected = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     if got != expected:
@@ -114,13 +176,19 @@ class Eagle(DecodingMethod):
         folder = Path(str(settings["heads"])).expanduser() if settings["heads"] else None
         if folder is not None and not folder.is_dir():
             raise ZooError(f"decoding.heads={folder}: no such folder")
-        draft_desc, bias = draft_description(desc, folder)
+        draft_desc, config = draft_description(desc, folder)
         if folder is None:
+            if settings["version"] not in (1, 3):
+                raise ZooError(f"decoding.version={settings['version']!r} must be 1 (EAGLE-1/2) or 3 (EAGLE-3)")
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                self.draft = EagleDraft(draft_desc, bias)
+                self.draft = (EagleDraft(draft_desc, True) if settings["version"] == 1
+                              else Eagle3Draft(draft_desc, desc.hidden_size, desc.vocab_size))
+            if settings["version"] == 3:  # a fresh reduced vocabulary is the whole one: no offsets
+                self.draft.d2t.zero_()
         else:
-            self.draft = load_draft(folder, draft_desc, bias)
+            self.draft = load_draft(folder, draft_desc, bool(config.get("bias", True)), config)
+        self.layers = feature_layers(desc.num_layers) if isinstance(self.draft, Eagle3Draft) else []
         self.engine = engine
         self.roots: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (num_tokens, draft feature at n-1)
 
@@ -130,7 +198,10 @@ class Eagle(DecodingMethod):
             print("note: decoding=eagle starts from a random draft layer (no decoding.heads): tokens are exact, "
                   "nothing is accepted until it is trained", file=sys.stderr)
         self.draft = self.draft.to(engine.device, engine.dtype).eval()
-        setup.add_kv_layers([self.draft.layer.self_attn])
+        self.draft.d2t = self.draft.d2t.long() if hasattr(self.draft, "d2t") else None
+        setup.add_kv_layers([self.draft.attention])
+        if self.layers:
+            setup.capture_layers(self.layers)
         setup.key_blocks_on_next_tokens(1)  # the draft K/V at position j pairs it with token j + 1
 
     # ------------------------------------------------------------------ one pass of the draft layer
@@ -188,7 +259,11 @@ class Eagle(DecodingMethod):
             last.append(len(rows) - 1 if first + len(seq.rows) == request.num_tokens - 1 else None)
         if not groups:
             return
-        outputs = self._run(groups, tokens, results.hidden_states(rows))
+        if self.layers:  # EAGLE-3: the low, middle and high layers side by side
+            features = torch.cat([results.layer_states(layer, rows) for layer in self.layers], dim=-1)
+        else:
+            features = results.hidden_states(rows)
+        outputs = self._run(groups, tokens, features)
         for (request, _, _), row in zip(groups, last):
             if row is not None:  # the request decodes next: its root feature is the last pair's output
                 self.roots[request.request_id] = (request.num_tokens, outputs[row])
@@ -243,7 +318,7 @@ class Eagle(DecodingMethod):
         """Children of each request's parents (index, score, output feature): the top_k likeliest tokens of each;
         returns the indices of the top_k best new nodes per request (the next frontier)."""
         flat = torch.stack([f for group in parents for _, _, f in group])
-        logprobs = torch.log_softmax(lm_head(flat).float(), dim=-1).topk(self.top_k, dim=-1)
+        logprobs = self.draft.top_k(flat, self.top_k, lm_head)
         tokens, scores = logprobs.indices.tolist(), logprobs.values.tolist()
         frontier, k = [], 0
         for tree, group in zip(nodes, parents):

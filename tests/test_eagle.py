@@ -181,3 +181,118 @@ def test_eagle_on_a_model_with_2d_positions_is_a_clear_error(glm_checkpoint):
     kind, folder, _ = glm_checkpoint
     with pytest.raises(ZooError, match="decoding=eagle drafts with one rotary position row"):
         LLM(str(folder), model=kind, decoding="eagle")
+
+
+# ------------------------------------------------------------------ EAGLE-3
+
+
+def write_eagle3_heads(folder, hidden=64, intermediate=96, heads=4, kv_heads=2, draft_vocab=100, seed=1):
+    """EAGLE-3's released layout: fc over three layers, a midlayer over [embed; feature], its own reduced head."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    head_dim = hidden // heads
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    ids = torch.arange(draft_vocab)
+    tensors = {"fc.weight": rand(hidden, 3 * hidden),
+               "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+               "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+               "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+               "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+               "midlayer.mlp.gate_proj.weight": rand(intermediate, hidden),
+               "midlayer.mlp.up_proj.weight": rand(intermediate, hidden),
+               "midlayer.mlp.down_proj.weight": rand(hidden, intermediate),
+               "midlayer.input_layernorm.weight": 1 + rand(hidden),
+               "midlayer.hidden_norm.weight": 1 + rand(hidden),
+               "midlayer.post_attention_layernorm.weight": 1 + rand(hidden),
+               "norm.weight": 1 + rand(hidden), "lm_head.weight": rand(draft_vocab, hidden),
+               "d2t": ids * 3 - ids, "t2d": torch.zeros(300, dtype=torch.bool)}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6, "draft_vocab_size": draft_vocab, "vocab_size": 300}))
+    return tensors
+
+
+def dense_eagle3_feature(t, hf_model, tokens: list[int], heads=4, kv_heads=2) -> torch.Tensor:
+    """EAGLE-3's draft over pairs (layers 2, L//2, L-3 inputs at j; token j + 1) in one pass: the last output."""
+    layers = hf_model.config.num_hidden_layers
+    with torch.no_grad():
+        states = hf_model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        features = torch.cat([states[i][0, :-1] for i in sorted({2, layers // 2, layers - 3})], -1)
+        embeds = hf_model.get_input_embeddings()(torch.tensor(tokens[1:]))
+        x = F.linear(features, t["fc.weight"])
+        n, hidden = x.shape
+        d = hidden // heads
+
+        def rms(y, name):
+            return F.rms_norm(y, (hidden,), eps=1e-6) * t[name]
+
+        mixed = torch.cat([rms(embeds, "midlayer.input_layernorm.weight"), rms(x, "midlayer.hidden_norm.weight")], -1)
+        q = F.linear(mixed, t["midlayer.self_attn.q_proj.weight"]).view(n, heads, d).transpose(0, 1)
+        k = F.linear(mixed, t["midlayer.self_attn.k_proj.weight"]).view(n, kv_heads, d).transpose(0, 1)
+        v = F.linear(mixed, t["midlayer.self_attn.v_proj.weight"]).view(n, kv_heads, d).transpose(0, 1)
+        theta = hf_model.config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+        angles = torch.arange(n).float()[:, None] * inv_freq[None]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+        def rotate(y):
+            return y * cos + torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1) * sin
+
+        k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+        attn = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+        h = x + F.linear(attn.transpose(0, 1).reshape(n, hidden), t["midlayer.self_attn.o_proj.weight"])
+        normed = rms(h, "midlayer.post_attention_layernorm.weight")
+        mlp = F.linear(F.silu(F.linear(normed, t["midlayer.mlp.gate_proj.weight"]))
+                       * F.linear(normed, t["midlayer.mlp.up_proj.weight"]), t["midlayer.mlp.down_proj.weight"])
+        return (h + mlp)[-1]
+
+
+@pytest.fixture(scope="module")
+def eight_layer_llama(tmp_path_factory):
+    import transformers
+
+    folder = tmp_path_factory.mktemp("llama8")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(8)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+@pytest.mark.parametrize("regime", ["batched", "chunked_prefill", "preemption"])
+def test_eagle3_is_exact_and_its_draft_follows_the_target(eight_layer_llama, tmp_path, regime):
+    folder, hf_model = eight_layer_llama
+    tensors = write_eagle3_heads(tmp_path / "eagle3")
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    prompts = mixed_prompts()
+    plain = LLM(str(folder), **REGIMES[regime]).generate(prompts, params)
+    recorder = RootRecorder()
+    llm = LLM(str(folder), decoding="eagle", plugins=[recorder], overrides=[f"decoding.heads={tmp_path / 'eagle3'}"],
+              **REGIMES[regime])
+    assert llm.engine.decoding.layers == [1, 3, 4]  # the outputs of the layers before 2, 4 and 5
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert recorder.seen
+    for tokens, root in recorder.seen[::3]:
+        torch.testing.assert_close(root, dense_eagle3_feature(tensors, hf_model, tokens), atol=ATOL, rtol=0)
+    # Draft tokens come from the reduced vocabulary, mapped to the target's ids by d2t (here id -> 3 * id).
+    method = llm.engine.decoding
+    best = method.draft.top_k(recorder.seen[0][1][None].to(method.engine.device), 5, method.engine.model.lm_head)
+    assert all(token % 3 == 0 and token < 300 for token in best.indices[0].tolist())
+
+
+def test_a_fresh_eagle3_draft_is_exact(eight_layer_llama):
+    folder, _ = eight_layer_llama
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    plain = LLM(str(folder)).generate(mixed_prompts(), params)
+    outputs = LLM(str(folder), decoding="eagle", overrides=["decoding.version=3"]).generate(mixed_prompts(), params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
