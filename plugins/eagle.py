@@ -95,7 +95,7 @@ class Eagle3Draft(nn.Module):
 
     def top_k(self, outputs, k: int, target_lm_head):
         best = torch.log_softmax(self.lm_head(self.norm(outputs)).float(), dim=-1).topk(k, dim=-1)
-        return torch.return_types.topk((best.indices + self.d2t[best.indices], best.values))
+        return torch.return_types.topk((best.values, best.indices + self.d2t[best.indices]))
 
 
 def feature_layers(num_layers: int) -> list[int]:

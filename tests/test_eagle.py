@@ -135,7 +135,7 @@ def test_eagle_is_exact_and_its_draft_follows_the_target(checkpoints, eagle_head
     if regime == "prefix_cache":  # the second time round the prompts' blocks come from the cache
         outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
-    assert recorder.seen and llm.engine.stats.drafted_depth[0] > 0
+    assert recorder.seen and llm.engine.draft_failures == 0 and llm.engine.stats.drafted_depth[0] > 0
     for tokens, root in recorder.seen[::3]:
         torch.testing.assert_close(root, dense_draft_feature(tensors, hf_model, tokens), atol=ATOL, rtol=0)
     if regime == "preemption":
@@ -149,8 +149,10 @@ def test_a_random_draft_is_exact_too(checkpoints, capfd):
     folder, _ = checkpoints["llama"]
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     plain = LLM(str(folder)).generate(mixed_prompts(), params)
-    outputs = LLM(str(folder), decoding="eagle").generate(mixed_prompts(), params)
+    llm = LLM(str(folder), decoding="eagle")
+    outputs = llm.generate(mixed_prompts(), params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert llm.engine.draft_failures == 0 and llm.engine.stats.drafted_depth[0] > 0
     assert "decoding=eagle starts from a random draft layer" in capfd.readouterr().err
 
 
@@ -281,7 +283,7 @@ def test_eagle3_is_exact_and_its_draft_follows_the_target(eight_layer_llama, tmp
     assert llm.engine.decoding.layers == [1, 3, 4]  # the outputs of the layers before 2, 4 and 5
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
-    assert recorder.seen
+    assert recorder.seen and llm.engine.draft_failures == 0 and llm.engine.stats.drafted_depth[0] > 0
     for tokens, root in recorder.seen[::3]:
         torch.testing.assert_close(root, dense_eagle3_feature(tensors, hf_model, tokens), atol=ATOL, rtol=0)
     # Draft tokens come from the reduced vocabulary, mapped to the target's ids by d2t (here id -> 3 * id).
@@ -294,5 +296,7 @@ def test_a_fresh_eagle3_draft_is_exact(eight_layer_llama):
     folder, _ = eight_layer_llama
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     plain = LLM(str(folder)).generate(mixed_prompts(), params)
-    outputs = LLM(str(folder), decoding="eagle", overrides=["decoding.version=3"]).generate(mixed_prompts(), params)
+    llm = LLM(str(folder), decoding="eagle", overrides=["decoding.version=3"])
+    outputs = llm.generate(mixed_prompts(), params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert llm.engine.draft_failures == 0 and llm.engine.stats.drafted_depth[0] > 0

@@ -32,6 +32,7 @@ def test_lookahead_gives_the_tokens_of_plain_decoding(checkpoints, regime):
     assert llm.engine.decoding.max_draft_tokens == (7 + 7) * 4
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert llm.engine.draft_failures == 0
     assert sum(o.num_steps for o in outputs) < sum(len(o.token_ids) for o in outputs)  # drafts were accepted
     if regime == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0

@@ -46,6 +46,7 @@ def test_medusa_gives_the_tokens_of_plain_decoding(checkpoints, regime):
     assert llm.engine.decoding.max_draft_tokens == 63  # the reference tree
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert llm.engine.draft_failures == 0
     stats = llm.engine.stats
     assert stats.drafted_depth[0] > 0 and stats.accepted_depth and stats.accepted_depth[0] > 0  # some accepted
     assert sum(o.num_steps for o in outputs) < sum(len(o.token_ids) for o in outputs)
