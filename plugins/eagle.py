@@ -32,6 +32,7 @@ from torch import nn
 
 from zoo import DecodingMethod, DraftBlock, Scope, ZooError, hookimpl
 from zoo.forward_context import ForwardContext, forward_context
+from zoo.loader import load_module_weights
 from zoo.model import MLP, Attention, DecoderLayer, RMSNorm
 from zoo.step_inputs import StepLayout
 
@@ -129,32 +130,16 @@ def draft_description(target, folder: Path | None):
 
 
 def load_draft(folder: Path, desc, bias: bool, config: dict) -> nn.Module:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not (folder / WEIGHTS).exists():
-        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        hint = (f"; {pickled[0]} is a pickle, which zoo does not load (loading it runs code): convert it with "
-                f"safetensors.torch.save_file(torch.load(...), '{WEIGHTS}')") if pickled else ""
-        raise ZooError(f"decoding.heads={folder}: {WEIGHTS} not found{hint}")
-    try:
-        tensors = load_file(str(folder / WEIGHTS))
-    except (OSError, SafetensorError) as exc:
-        raise ZooError(f"decoding.heads={folder}: cannot read {WEIGHTS} ({exc})") from None
-    tensors = {k.replace("layers.0.", "layer.", 1): v for k, v in tensors.items()
-               if k not in ("embed_tokens.weight", "t2d")}
-    if any(k.startswith("midlayer.") for k in tensors):
-        draft = Eagle3Draft(desc, config.get("target_hidden_size", desc.hidden_size),
-                            config.get("draft_vocab_size", desc.vocab_size))
+    """EAGLE-3 when the config names a reduced draft vocabulary (its tensors are ``midlayer.*``), else EAGLE-1/2."""
+    if "draft_vocab_size" in config:
+        draft = Eagle3Draft(desc, config.get("target_hidden_size", desc.hidden_size), config["draft_vocab_size"])
     else:
         draft = EagleDraft(desc, bias)
-    expected = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in tensors.items()}
-    if got != expected:
-        wrong = sorted(k for k in expected if got.get(k) != expected[k]) or sorted(set(got) - set(expected))
-        raise ZooError(f"decoding.heads={folder}: the draft does not fit this model: {wrong[0]} is "
-                       f"{got.get(wrong[0])}, expected {expected.get(wrong[0])}")
-    draft.load_state_dict(tensors)
+
+    def rename(name):  # the target's embedding is used; t2d (the inverse of d2t) is not needed
+        return None if name in ("embed_tokens.weight", "t2d") else name.replace("layers.0.", "layer.", 1)
+
+    load_module_weights(draft, folder, WEIGHTS, "decoding.heads", rename)
     return draft
 
 

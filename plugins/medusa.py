@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from zoo import DecodingMethod, DraftBlock, Scope, ZooError, hookimpl
+from zoo.loader import load_module_weights
 
 zoo_scope = Scope(option="decoding=medusa")
 
@@ -90,31 +91,17 @@ def parse_tree(choices, num_heads: int) -> tuple[list[list[int]], list[int]]:
 
 
 def load_heads(folder: str, hidden_size: int, vocab_size: int) -> MedusaHeads:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise ZooError(f"decoding.heads={folder}: no such folder")
-    if not (path / HEADS_FILE).exists():
-        pickled = [p.name for p in path.glob("*.pt")] + [p.name for p in path.glob("*.bin")]
-        hint = (f"; {pickled[0]} is a pickle, which zoo does not load (loading it runs code): convert it with "
-                f"safetensors.torch.save_file(torch.load(...), '{HEADS_FILE}')") if pickled else ""
-        raise ZooError(f"decoding.heads={folder}: {HEADS_FILE} not found{hint}")
     try:
         config = json.loads((path / "config.json").read_text())
         num_heads, num_layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
-        tensors = load_file(str(path / HEADS_FILE))
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
-        raise ZooError(f"decoding.heads={folder}: cannot read the Medusa heads ({type(exc).__name__}: {exc})") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ZooError(f"decoding.heads={folder}: cannot read the Medusa config ({type(exc).__name__}: {exc})") from None
     heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers)
-    expected = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in tensors.items()}
-    if got != expected:
-        wrong = sorted(k for k in expected if got.get(k) != expected[k]) or sorted(set(got) - set(expected))
-        raise ZooError(f"decoding.heads={folder}: the heads do not fit this model (hidden {hidden_size}, vocabulary "
-                       f"{vocab_size}): {wrong[0]} is {got.get(wrong[0])}, expected {expected.get(wrong[0])}")
-    heads.load_state_dict(tensors)
+    load_module_weights(heads, path, HEADS_FILE, "decoding.heads",
+                        model=f"this model (hidden {hidden_size}, vocabulary {vocab_size})")
     return heads
 
 

@@ -130,7 +130,7 @@ def test_released_layout_heads_load_and_stay_exact(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("decoding.heads={missing}", "decoding.heads={missing}: no such folder"),
-    ("decoding.heads={wrong_size}", "the heads do not fit this model (hidden 64, vocabulary 300)"),
+    ("decoding.heads={wrong_size}", "the weights do not fit this model (hidden 64, vocabulary 300)"),
     ("decoding.heads={pickled}", "medusa_lm_head.pt is a pickle, which zoo does not load"),
     ("decoding.tree=[[0],[1,2]]", "decoding.tree: the parent of [1, 2] is not in the tree"),
     ("decoding.tree=[[0],[0,0],[0,0,0],[0,0,0,0],[0,0,0,0,0]]", "goes 5 deep; the Medusa heads predict 4"),
@@ -140,7 +140,8 @@ def test_bad_medusa_settings_are_one_line(checkpoints, tmp_path, override, messa
     folder, hf_model = checkpoints["llama"]
     write_reference_heads(tmp_path / "wrong_size", 32, 300)
     (tmp_path / "pickled").mkdir()
-    (tmp_path / "pickled" / "medusa_lm_head.pt").write_bytes(b"not loaded")
+    (tmp_path / "pickled" / "medusa_lm_head.pt").write_bytes(b"not loaded")  # as released, with its config
+    (tmp_path / "pickled" / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
     paths = {k: tmp_path / k for k in ("missing", "wrong_size", "pickled")}
     override, message = override.format(**paths), message.format(**paths)
     with pytest.raises(ZooError) as info:

@@ -129,13 +129,9 @@ class DecodingMethod:
 
 def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
     """The method ``decoding=name`` selects, built once and registered as a plugin; None for plain decoding."""
-    registry: dict[str, tuple[str, object]] = {}
-    for impl in plugin_manager.hook.zoo_decoding_methods.get_hookimpls():
-        for method_name, factory in (impl.function() or {}).items():
-            if method_name in registry:
-                raise ZooError(f"plugins {registry[method_name][0]!r} and {impl.plugin_name!r} both register "
-                               f"decoding method {method_name!r}")
-            registry[method_name] = (impl.plugin_name, factory)
+    from zoo.plugins import registered_names
+
+    registry = registered_names(plugin_manager.hook.zoo_decoding_methods, "decoding method")
     if name in (None, "none"):
         return None
     if name not in registry:

@@ -213,3 +213,34 @@ def load_model(checkpoint: Checkpoint, hooks, dtype: torch.dtype, device: torch.
     model = model.to(device=device, dtype=dtype)
     _reset_computed_buffers(model, device)
     return model.eval()
+
+
+def load_module_weights(module: torch.nn.Module, folder: Path, filename: str, what: str, rename=None,
+                        model: str = "this model") -> None:
+    """Fill ``module`` from ``folder/filename`` (safetensors), every tensor by name and shape, or fail in one line.
+
+    ``rename(name)`` maps a file's names onto the module's (None drops a tensor). A pickle beside it is refused
+    with how to convert it: loading one runs code.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / filename
+    if not path.exists():
+        pickled = sorted(p.name for pattern in ("*.bin", "*.pt") for p in folder.glob(pattern))
+        hint = (f"; {pickled[0]} is a pickle, which zoo does not load (loading it runs code): convert it with "
+                f"safetensors.torch.save_file(torch.load(...), '{filename}')") if pickled else ""
+        raise ZooError(f"{what}={folder}: {filename} not found{hint}")
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ZooError(f"{what}={folder}: cannot read {filename} ({exc})") from None
+    if rename is not None:
+        tensors = {rename(k): v for k, v in tensors.items() if rename(k) is not None}
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if got != expected:
+        wrong = sorted(k for k in expected if got.get(k) != expected[k]) or sorted(set(got) - set(expected))
+        raise ZooError(f"{what}={folder}: the weights do not fit {model}: {wrong[0]} is {got.get(wrong[0])}, "
+                       f"expected {expected.get(wrong[0])}")
+    module.load_state_dict(tensors)

@@ -115,16 +115,20 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str, origin: str) 
         raise ZooError(f"plugin {name!r} ({origin}) could not be registered: {exc}") from None
 
 
+def registered_names(hook_caller, what: str) -> dict[str, tuple[str, object]]:
+    """``{name: (plugin name, value)}`` from a hook whose implementations return dicts; a name twice is an error."""
+    owners: dict[str, tuple[str, object]] = {}
+    for impl in hook_caller.get_hookimpls():
+        for name, value in (impl.function() or {}).items():
+            if name in owners:
+                raise ZooError(f"plugins {owners[name][0]!r} and {impl.plugin_name!r} both register {what} {name!r}")
+            owners[name] = (impl.plugin_name, value)
+    return owners
+
+
 def architecture_owners(pm: pluggy.PluginManager) -> dict[str, tuple[str, object]]:
     """``{HF architecture: (plugin name, describe)}`` over every loaded plugin."""
-    owners: dict[str, tuple[str, object]] = {}
-    for impl in pm.hook.zoo_model_architectures.get_hookimpls():
-        for architecture, describe in (impl.function() or {}).items():
-            if architecture in owners:
-                raise ZooError(f"plugins {owners[architecture][0]!r} and {impl.plugin_name!r} both register "
-                               f"architecture {architecture!r}")
-            owners[architecture] = (impl.plugin_name, describe)
-    return owners
+    return registered_names(pm.hook.zoo_model_architectures, "architecture")
 
 
 def _config_value(config, dotted: str):
