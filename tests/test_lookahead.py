@@ -11,6 +11,7 @@ import pytest
 from conftest import prompt_set
 from test_glm import glm_checkpoint, glm_prompts  # noqa: F401  (glm_checkpoint is a fixture)
 from test_medusa import REGIMES, mixed_prompts
+from test_speculative import assert_three_sampled_tokens_follow_the_target
 from test_qwen2_vl import qwen2_vl, requests_and_references  # noqa: F401  (qwen2_vl is a fixture)
 from zoo import LLM, SamplingParams, ZooError
 
@@ -84,20 +85,8 @@ def test_bad_lookahead_settings_are_one_line(tmp_path, overrides, message):
 
 
 def test_lookahead_under_sampling_keeps_the_target_distribution(checkpoints):
-    from test_speculative import exact_top_k_distribution
-
     folder, model = checkpoints["llama"]
-    prompt = prompt_set()[0]
-    temperature, top_k, n = 1.5, 3, 1200
-    exact = exact_top_k_distribution(model, prompt, 3, temperature, top_k)
     llm = LLM(str(folder), decoding="lookahead", overrides=["decoding.window=3", "decoding.ngram=3"],
               max_num_seqs=64, max_num_batched_tokens=1024)
-    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k, seed=s)
-              for s in range(n)]
-    counts = {}
-    for out in llm.generate([prompt] * n, params):
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
-    assert chi2 < 54.05, (chi2, counts)  # 26 degrees of freedom: P(chi2 > 54.05) = 0.001
+    assert_three_sampled_tokens_follow_the_target(llm, model, prompt_set()[0])
     assert llm.engine.stats.accepted_depth and llm.engine.stats.accepted_depth[0] > 0

@@ -146,6 +146,19 @@ def exact_top_k_distribution(model, prompt: list[int], length: int, temperature:
     return sequences
 
 
+def assert_three_sampled_tokens_follow_the_target(llm: LLM, model, prompt: list[int], n: int = 1200) -> None:
+    """Chi-square of (token1, token2, token3) over ``n`` seeded requests (temperature 1.5, top-k 3) against
+    transformers' exact probabilities: 26 degrees of freedom, P(chi2 > 54.05) = 0.001."""
+    exact = exact_top_k_distribution(model, prompt, 3, 1.5, 3)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.5, top_k=3, seed=s) for s in range(n)]
+    counts = {}
+    for out in llm.generate([prompt] * n, params):
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert chi2 < 54.05, (chi2, counts, exact)
+
+
 def test_sampling_with_drafts_keeps_target_distribution(checkpoints):
     """Chi-square of (token1, token2) under drafting against transformers' exact probabilities."""
     folder, model = checkpoints["llama"]
@@ -267,23 +280,12 @@ class ProbabilisticDrafter(DecodingMethod):
 
 
 def test_rejection_sampling_with_draft_probabilities_keeps_the_target_distribution(checkpoints):
-    """Chi-square of (token1, token2, token3): tokens 2 and 3 come from verifying a drafted chain with q."""
+    """Tokens 2 and 3 come from verifying a drafted chain with its draft distributions q."""
     folder, model = checkpoints["llama"]
-    prompt = prompt_set()[0]
-    temperature, top_k, n = 1.5, 3, 1200
-    exact = exact_top_k_distribution(model, prompt, 3, temperature, top_k)
     drafter = ProbabilisticDrafter(model)
     llm = llm_with(drafter, str(folder), max_num_seqs=64, max_num_batched_tokens=1024)
-    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k, seed=s)
-              for s in range(n)]
-    counts = {}
-    for out in llm.generate([prompt] * n, params):
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
-    # 26 degrees of freedom: P(chi2 > 54.05) = 0.001
-    assert chi2 < 54.05, (chi2, counts, exact)
-    assert drafter.proposed >= n and llm.engine.stats.steps < 2 * n  # drafts were verified, not dropped
+    assert_three_sampled_tokens_follow_the_target(llm, model, prompt_set()[0])
+    assert drafter.proposed >= 1200 and llm.engine.stats.steps < 2 * 1200  # drafts were verified, not dropped
 
 
 class LookaheadShaped(OracleDrafter):
