@@ -70,9 +70,7 @@ class Scheduler:
             entry = ScheduledRequest(request, request.num_computed_tokens, num_tokens, draft)
             while not self.blocks.ensure_slots(request, entry.start + entry.num_query_tokens):
                 if entry.draft is not None:  # drafts are optional: cut them to the free slots before preempting
-                    room = ((len(request.block_ids) + self.blocks.num_free_blocks) * self.blocks.block_size
-                            - entry.start - entry.num_tokens)
-                    entry.draft = entry.draft.first(room) if room < len(entry.draft.tokens) else None
+                    entry.draft = self._draft_within_free_slots(entry)
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -106,6 +104,12 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _draft_within_free_slots(self, entry: ScheduledRequest) -> DraftBlock | None:
+        request = entry.request
+        room = ((len(request.block_ids) + self.blocks.num_free_blocks) * self.blocks.block_size
+                - entry.start - entry.num_tokens)
+        return entry.draft.first(room) if room < len(entry.draft.tokens) else None
 
     def _reset(self, request: Request) -> None:
         self.blocks.free(request)
