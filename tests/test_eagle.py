@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from test_glm import glm_checkpoint  # noqa: F401  (a fixture)
-from test_medusa import REGIMES, mixed_prompts
+from test_medusa import REGIMES, assert_one_line_error, mixed_prompts
 from test_speculative import assert_three_sampled_tokens_follow_the_target
 from zoo import LLM, SamplingParams, ZooError, hookimpl
 
@@ -178,14 +175,7 @@ def test_bad_eagle_settings_are_one_line(checkpoints, tmp_path, override, messag
     (tmp_path / "pickled" / "config.json").write_text("{}")
     write_eagle_heads(tmp_path / "wrong_size", hidden=32, intermediate=64)
     paths = {k: tmp_path / k for k in ("missing", "pickled", "wrong_size")}
-    override, message = override.format(**paths), message.format(**paths)
-    with pytest.raises(ZooError) as info:
-        LLM(str(folder), decoding="eagle", overrides=[override])
-    assert message in str(info.value)
-    proc = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", "decoding=eagle", override],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert_one_line_error("eagle", [override.format(**paths)], message.format(**paths), tmp_path, str(folder))
 
 
 def test_eagle_on_a_model_with_2d_positions_is_a_clear_error(glm_checkpoint):

@@ -115,6 +115,18 @@ def test_released_layout_heads_load_and_stay_exact(checkpoints, tmp_path):
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
+def assert_one_line_error(method: str, overrides: list[str], message: str, cwd, model_path=None) -> None:
+    """The setting fails ``LLM(...)`` with ``message``, and ``python -m zoo.run`` with that one line and exit 2."""
+    with pytest.raises(ZooError) as info:
+        LLM(model_path, decoding=method, overrides=overrides)
+    assert message in str(info.value)
+    path = [f"model.path={model_path}"] if model_path else []
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", *path, f"decoding={method}", *overrides],
+                          capture_output=True, text=True, cwd=cwd, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("override, message", [
     ("decoding.heads={missing}", "decoding.heads={missing}: no such folder"),
     ("decoding.heads={wrong_size}", "the weights do not fit this model (hidden 64, vocabulary 300)"),
@@ -130,15 +142,7 @@ def test_bad_medusa_settings_are_one_line(checkpoints, tmp_path, override, messa
     (tmp_path / "pickled" / "medusa_lm_head.pt").write_bytes(b"not loaded")  # as released, with its config
     (tmp_path / "pickled" / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
     paths = {k: tmp_path / k for k in ("missing", "wrong_size", "pickled")}
-    override, message = override.format(**paths), message.format(**paths)
-    with pytest.raises(ZooError) as info:
-        LLM(str(folder), decoding="medusa", overrides=[override])
-    assert message in str(info.value)
-    proc = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", "decoding=medusa", override],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert_one_line_error("medusa", [override.format(**paths)], message.format(**paths), tmp_path, str(folder))
 
 
 def test_jsonl_records_steps_and_the_summary_reports_acceptance(tmp_path):
