@@ -36,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from zoo.engine_setup import DTYPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -167,10 +167,9 @@ class Eagle(DecodingMethod):
                 raise ZooError(f"decoding.version={settings['version']!r} must be 1 (EAGLE-1/2) or 3 (EAGLE-3)")
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
+                # A fresh EAGLE-3 head covers the whole vocabulary: its d2t offsets stay zero.
                 self.draft = (EagleDraft(draft_desc, True) if settings["version"] == 1
                               else Eagle3Draft(draft_desc, desc.hidden_size, desc.vocab_size))
-            if settings["version"] == 3:  # a fresh reduced vocabulary is the whole one: no offsets
-                self.draft.d2t.zero_()
         else:
             self.draft = load_draft(folder, draft_desc, bool(config.get("bias", True)), config)
         self.layers = feature_layers(desc.num_layers) if isinstance(self.draft, Eagle3Draft) else []
@@ -179,11 +178,10 @@ class Eagle(DecodingMethod):
 
     @hookimpl
     def zoo_engine_start(self, engine, setup):
-        if self.draft is not None and not self.engine.config["decoding"]["heads"]:
+        if not self.engine.config["decoding"]["heads"]:
             print("note: decoding=eagle starts from a random draft layer (no decoding.heads): tokens are exact, "
                   "nothing is accepted until it is trained", file=sys.stderr)
-        self.draft = self.draft.to(engine.device, engine.dtype).eval()
-        self.draft.d2t = self.draft.d2t.long() if hasattr(self.draft, "d2t") else None
+        self.draft = self.draft.to(engine.device, engine.dtype).eval()  # d2t, an integer buffer, stays long
         setup.add_kv_layers([self.draft.attention])
         if self.layers:
             setup.capture_layers(self.layers)

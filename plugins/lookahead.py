@@ -69,8 +69,7 @@ class Lookahead(DecodingMethod):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ZooError(f"decoding.{key}={value!r} must be an integer in [{low}, {high}]")
         self.window, self.ngram, self.candidates = settings["window"], settings["ngram"], settings["candidates"]
-        self.window_tokens = self.window * (self.ngram - 1)
-        self.max_draft_tokens = self.window_tokens + self.candidates * (self.ngram - 1)
+        self.max_draft_tokens = (self.window + self.candidates) * (self.ngram - 1)
         if self.max_draft_tokens > MAX_BLOCK:
             raise ZooError(f"decoding=lookahead: (window + candidates) * (ngram - 1) = {self.max_draft_tokens} draft "
                            f"tokens per step; at most {MAX_BLOCK}")

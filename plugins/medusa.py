@@ -111,7 +111,7 @@ class Medusa(DecodingMethod):
     def __init__(self, engine):
         """Settings and heads files are checked here, before the model's weights load."""
         settings, desc = engine.config["decoding"], engine.description
-        self.heads, self.fresh = None, not settings["heads"]
+        self.fresh = not settings["heads"]
         if self.fresh:
             self.heads = MedusaHeads(desc.hidden_size, desc.vocab_size, int(settings["num_heads"]),
                                      int(settings["num_layers"]))

@@ -76,8 +76,7 @@ class Committer:
             engine.finish(request)
         if entry.draft is None:
             return SequenceResult(request, committed, token_rows, entry.start)
-        draft_rows = list(range(offset + entry.num_tokens, offset + entry.num_tokens + len(entry.draft.tokens)))
-        return SequenceResult(request, committed, token_rows, entry.start, entry.draft, draft_rows, rows[1:])
+        return SequenceResult(request, committed, token_rows, entry.start, entry.draft, rows[1:])
 
     def _commit(self, request: Request, token: int, logits: torch.Tensor, row: int, stop_ids: set[int]) -> None:
         stats = self.engine.stats

@@ -91,6 +91,9 @@ class DraftBlock:
 
     def within(self, max_offset: int) -> "DraftBlock | None":
         """The tokens whose path stays at position offsets <= ``max_offset`` (renumbered), or None."""
+        deepest = len(self.tokens) if self.position_offsets is None else max(self.position_offsets, default=0)
+        if self.tokens and deepest <= max_offset:  # every step but the last few of a request: nothing to cut
+            return self
         keep = [i for i in range(len(self.tokens)) if all(self.offset(a) <= max_offset for a in self.ancestors(i))]
         return self._keep(keep) if keep else None
 

@@ -67,8 +67,8 @@ class SequenceResult:
     cache index ``first_index`` (a prefill chunk's tokens, or the last committed token
     and the accepted drafts). The hidden state of ``rows[-len(new_tokens) + i]`` is
     the one that predicted ``new_tokens[i]``. ``draft`` is the block the step verified (as
-    scheduled: possibly cut), ``draft_rows[i]`` the token row of its token ``i`` and
-    ``draft_logits_rows[i]`` the row of ``StepOutput.logits`` after it.
+    scheduled: possibly cut), and ``draft_logits_rows[i]`` the row of ``StepOutput.logits``
+    after its token ``i``.
     """
 
     request: Request
@@ -76,7 +76,6 @@ class SequenceResult:
     rows: list[int]
     first_index: int
     draft: "DraftBlock | None" = None
-    draft_rows: list[int] = field(default_factory=list)
     draft_logits_rows: list[int] = field(default_factory=list)
 
 
