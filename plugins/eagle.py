@@ -34,10 +34,13 @@ from zoo import DecodingMethod, DraftBlock, Scope, ZooError, hookimpl
 from zoo.forward_context import ForwardContext, forward_context
 from zoo.loader import load_module_weights
 from zoo.model import MLP, Attention, DecoderLayer, RMSNorm
+from zoo.step import BufferSpec
 from zoo.step_inputs import StepLayout
 
 zoo_scope = Scope(option="decoding=eagle")
 WEIGHTS = "model.safetensors"
+EXTEND, TREE = "eagle_extend", "eagle_tree"  # the draft's two passes, each a graph family
+TARGET_FEATURES, DRAFT_FEATURES = "eagle_target_features", "eagle_draft_features"  # what each pass reads
 
 
 class EagleDraft(nn.Module):
@@ -183,22 +186,45 @@ class Eagle(DecodingMethod):
                   "nothing is accepted until it is trained", file=sys.stderr)
         self.draft = self.draft.to(engine.device, engine.dtype).eval()  # d2t, an integer buffer, stays long
         setup.add_kv_layers([self.draft.attention])
+        tokens, hidden = setup.limits.max_num_tokens, self.draft.fc.out_features
+        target_width = self.draft.fc.in_features if self.layers else hidden  # EAGLE-3 reads three target layers
+        setup.add_buffer(BufferSpec(TARGET_FEATURES, (tokens, target_width), dtype=engine.dtype))
+        setup.add_buffer(BufferSpec(DRAFT_FEATURES, (tokens, hidden), dtype=engine.dtype))
+        # After a verify step a request keeps at most depth + 1 positions; each tree pass expands top_k nodes.
+        setup.add_graph_pass(EXTEND, 1 + self.depth, self._extend_pass)
+        setup.add_graph_pass(TREE, self.top_k, self._tree_pass, tree=True)
         if self.layers:
             setup.capture_layers(self.layers)
         setup.key_blocks_on_next_tokens(1)  # the draft K/V at position j pairs it with token j + 1
 
     # ------------------------------------------------------------------ one pass of the draft layer
 
-    def _run(self, groups, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
-        """Draft outputs for query tokens laid out by ``groups``: per request (request, queries, draft start),
-        each query (cache index, position, draft offsets it sees or None for plain causal)."""
+    def _forward(self, context: ForwardContext, features: str) -> torch.Tensor:
+        model = self.engine.model.model
+        with forward_context(context):
+            rope = (model.rotary, model.rotary.prepare(context.positions, self.engine.dtype))
+            return self.draft(model.embed_tokens(context.buffers["input_ids"]), context.buffers[features], rope)
+
+    def _extend_pass(self, context: ForwardContext):
+        return (self._forward(context, TARGET_FEATURES),)
+
+    def _tree_pass(self, context: ForwardContext):
+        outputs = self._forward(context, DRAFT_FEATURES)
+        best = self.draft.top_k(outputs, self.top_k, self.engine.model.lm_head)
+        return outputs, best.values, best.indices
+
+    def _run(self, family: str, groups, features: torch.Tensor) -> list[torch.Tensor]:
+        """The pass's outputs for query tokens laid out by ``groups``: per request (request, queries, draft
+        start), each query (token, cache index, position, draft offsets it sees or None for plain causal)."""
         runner = self.engine.runner
-        layout = StepLayout(1, runner.block_size)
+        size = runner.pass_size(family, [len(queries) for _, queries, _ in groups])
+        layout, rows = StepLayout(1, runner.block_size), []
         for b, (request, queries, draft_start) in enumerate(groups):
             first = len(layout.input_ids)
             layout.offsets.append(first)
-            for q, (cache_index, position, sees) in enumerate(queries):
-                layout.input_ids.append(0)
+            for q, (token, cache_index, position, sees) in enumerate(queries):
+                rows.append(first + q)
+                layout.input_ids.append(token)
                 layout.positions[0].append(position)
                 block = request.block_ids[cache_index // runner.block_size]
                 layout.slots.append(block * runner.block_size + cache_index % runner.block_size)
@@ -207,37 +233,31 @@ class Eagle(DecodingMethod):
                 if sees:
                     layout.has_drafts = True
                     layout.draft_visible += [(first + q, offset) for offset in sees]
-            layout.visible_rows.append([c for c, _, _ in queries])
-            layout.index_rows.append([p for _, p, _ in queries])
-            layout.context_lens.append(max(c for c, _, _ in queries) + 1)
+            layout.visible_rows.append([query[1] for query in queries])
+            layout.index_rows.append([query[2] for query in queries])
+            layout.context_lens.append(max(query[1] for query in queries) + 1)
             layout.draft_starts.append(draft_start)
-        max_query, num_blocks = layout.write(runner.buffers, [g[0].block_ids for g in groups])
-        num_tokens = len(layout.input_ids)
-        use_kernel = runner.decode_kernel and max_query <= 1 + runner.limits.max_draft_tokens
-        meta = runner.attention_metadata(num_tokens, len(groups), max_query, num_blocks, layout.has_drafts,
-                                         use_kernel)
-        buffers = runner.step_buffers({"token": num_tokens, "seq": len(groups)})
-        model = self.engine.model
-        with torch.inference_mode(), forward_context(ForwardContext(meta, buffers, None)):
-            positions = buffers["positions"]
-            rope = (model.model.rotary, model.model.rotary.prepare(positions, features.dtype))
-            embeds = model.model.embed_tokens(torch.tensor(tokens, device=features.device))
-            return self.draft(embeds, features, rope)
+            if size is not None:
+                layout.pad_entry(runner.graphs.families[family].stride, runner.kv.scratch_block * runner.block_size)
+        rows = torch.tensor(rows, device=features.device)
+        name = TARGET_FEATURES if family == EXTEND else DRAFT_FEATURES
+        runner.buffers[name].index_copy_(0, rows, features.to(runner.buffers[name].dtype))
+        outputs = runner.run_pass(family, layout, [g[0].block_ids for g in groups], size)
+        return [output[rows] for output in outputs]
 
     # ------------------------------------------------------------------ extend: follow the target's cache
 
     @hookimpl
     def zoo_step_results(self, results):
         """Run the pairs (feature at j, token j + 1) of every position the step kept through the draft."""
-        groups, tokens, rows, last = [], [], [], []
+        groups, rows, last = [], [], []
         for seq in results.sequences:
             request = seq.request
             if request.is_finished or not seq.rows:
                 continue
             first = seq.first_index
-            queries = [(first + k, first + k, None) for k in range(len(seq.rows))]
+            queries = [(request.token_at(j + 1), j, j, None) for j in range(first, first + len(seq.rows))]
             groups.append((request, queries, first + len(seq.rows)))
-            tokens += [request.token_at(j + 1) for j in range(first, first + len(seq.rows))]
             rows += seq.rows
             last.append(len(rows) - 1 if first + len(seq.rows) == request.num_tokens - 1 else None)
         if not groups:
@@ -246,7 +266,7 @@ class Eagle(DecodingMethod):
             features = torch.cat([results.layer_states(layer, rows) for layer in self.layers], dim=-1)
         else:
             features = results.hidden_states(rows)
-        outputs = self._run(groups, tokens, features)
+        (outputs,) = self._run(EXTEND, groups, features)
         for (request, _, _), row in zip(groups, last):
             if row is not None:  # the request decodes next: its root feature is the last pair's output
                 self.roots[request.request_id] = (request.num_tokens, outputs[row])
@@ -268,50 +288,47 @@ class Eagle(DecodingMethod):
                 ready.append(request)
         if not ready:
             return {}
-        lm_head = self.engine.model.lm_head
-        features = torch.stack([self.roots[r.request_id][1] for r in ready])
+        roots = torch.stack([self.roots[r.request_id][1] for r in ready])
         nodes = [[] for _ in ready]  # per request: [token, parent, score, depth, output feature or None, slot id]
-        frontier = self._expand(nodes, [[(-1, 0.0, f)] for f in features], lm_head, depth=1)
+        best = self.draft.top_k(roots, self.top_k, self.engine.model.lm_head)
+        frontier = self._expand(nodes, [[(-1, 0.0)] for _ in ready], best, depth=1)
         for depth in range(2, self.depth + 1):
-            groups, tokens, parent_features = [], [], []
+            groups, parent_features = [], []
             for request, tree, chosen in zip(ready, nodes, frontier):
-                n = request.num_tokens
+                n, root = request.num_tokens, self.roots[request.request_id][1]
                 queries = []
                 for index in chosen:
                     node = tree[index]
                     node[5] = sum(1 for x in tree if x[5] is not None)
                     sees = [tree[a][5] + 1 for a in self._path(tree, index)]
-                    queries.append((n + node[5], n - 2 + node[3], sees))
-                    tokens.append(node[0])
-                    parent_features.append(tree[node[1]][4] if node[1] >= 0 else self.roots[request.request_id][1])
+                    queries.append((node[0], n + node[5], n - 2 + node[3], sees))
+                    parent_features.append(tree[node[1]][4] if node[1] >= 0 else root)
                 # The root's own slot (n - 1) holds nothing of the draft's yet: the block starts there.
                 groups.append((request, queries, n - 1))
-            outputs = self._run(groups, tokens, torch.stack(parent_features))
+            outputs, *best = self._run(TREE, groups, torch.stack(parent_features))
             expanded, k = [], 0
             for tree, chosen in zip(nodes, frontier):
                 expanded.append([])
                 for index in chosen:
                     tree[index][4] = outputs[k]
-                    expanded[-1].append((index, tree[index][2], outputs[k]))
+                    expanded[-1].append((index, tree[index][2]))
                     k += 1
-            frontier = self._expand(nodes, expanded, lm_head, depth)
+            frontier = self._expand(nodes, expanded, best, depth)
         return {r.request_id: self._block(tree) for r, tree in zip(ready, nodes)}
 
-    def _expand(self, nodes, parents, lm_head, depth: int) -> list[list[int]]:
-        """Children of each request's parents (index, score, output feature): the top_k likeliest tokens of each;
-        returns the indices of the top_k best new nodes per request (the next frontier)."""
-        flat = torch.stack([f for group in parents for _, _, f in group])
-        logprobs = self.draft.top_k(flat, self.top_k, lm_head)
-        tokens, scores = logprobs.indices.tolist(), logprobs.values.tolist()
+    def _expand(self, nodes, parents, best, depth: int) -> list[list[int]]:
+        """Children of each request's parents (index, score): the top_k likeliest tokens of each (``best``:
+        log-probabilities and token ids, one row per parent); returns the indices of the top_k best new nodes
+        per request (the next frontier)."""
+        scores, tokens = best[0].tolist(), best[1].tolist()
         frontier, k = [], 0
         for tree, group in zip(nodes, parents):
             start = len(tree)
-            for parent, score, _ in group:
+            for parent, score in group:
                 for token, logprob in zip(tokens[k], scores[k]):
                     tree.append([token, parent, score + logprob, depth, None, None])
                 k += 1
-            best = sorted(range(start, len(tree)), key=lambda i: -tree[i][2])[:self.top_k]
-            frontier.append(best)
+            frontier.append(sorted(range(start, len(tree)), key=lambda i: -tree[i][2])[:self.top_k])
         return frontier
 
     @staticmethod

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import hf_greedy, prompt_set
-from zoo import LLM, SamplingParams
+from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
+from zoo import LLM, SamplingParams, hookimpl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -100,8 +101,7 @@ def test_verify_steps_replay_as_graphs(checkpoints, dtype, method):
     llm = LLM(str(folder), decoding=method, device="cuda", dtype=dtype)
     assert llm.engine.uses_cuda_graphs
     outputs = llm.generate(prompts, params)
-    stride = 1 + llm.engine.decoding.max_draft_tokens
-    assert llm.engine.runner.graphs.replays.get(stride, 0) > 0  # verify steps ran as graphs
+    assert llm.engine.runner.graphs.replays.get("verify", 0) > 0  # verify steps ran as graphs
     near_ties = 0
     for a, b in zip(plain, outputs):
         if a.token_ids == b.token_ids:
@@ -112,3 +112,75 @@ def test_verify_steps_replay_as_graphs(checkpoints, dtype, method):
         assert first - second < BF16_TIE, (k, a.logprobs[k])
         near_ties += 1
     print(f"{method} {dtype}: {near_ties} of {len(prompts)} sequences parted at a near-tie")
+
+
+class DraftRecorder:
+    """The draft blocks each verify step carries, in batch order."""
+
+    name = "draft_recorder"
+
+    def __init__(self):
+        self.blocks = []
+
+    @hookimpl
+    def zoo_step_prepare(self, batch):
+        self.blocks.append([(e.request.request_id, e.draft.tokens, e.draft.parents)
+                            for e in batch.scheduled if e.draft is not None])
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_draft_passes_replay_as_graphs(checkpoints, eight_layer_llama, tmp_path, version):
+    """In float32 the draft's extend and tree passes replayed as graphs (sequences padded to the stride) give
+    the eager passes' draft features and draft trees, and the tokens of plain decoding."""
+    from test_eagle import (RootRecorder, dense_draft_feature, dense_eagle3_feature, write_eagle3_heads,
+                            write_eagle_heads)
+    from test_medusa import mixed_prompts
+
+    if version == 1:
+        (folder, hf_model), tensors = checkpoints["llama"], write_eagle_heads(tmp_path / "heads")
+        dense = dense_draft_feature
+    else:
+        (folder, hf_model), tensors = eight_layer_llama, write_eagle3_heads(tmp_path / "heads")
+        dense = dense_eagle3_feature
+    prompts = mixed_prompts()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = LLM(str(folder), device="cuda", dtype="float32").generate(prompts, params)
+    runs = {}
+    for mode in ("graphs", "eager"):
+        roots, drafts = RootRecorder(), DraftRecorder()
+        llm = LLM(str(folder), decoding="eagle", plugins=[roots, drafts], device="cuda", dtype="float32",
+                  enforce_eager=mode == "eager", overrides=[f"decoding.heads={tmp_path / 'heads'}"])
+        assert llm.engine.uses_cuda_graphs == (mode == "graphs")
+        outputs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+        assert llm.engine.draft_failures == 0
+        runs[mode] = drafts.blocks
+        if mode == "graphs":
+            replays = llm.engine.runner.graphs.replays
+            assert replays.get("eagle_extend", 0) > 0 and replays.get("eagle_tree", 0) > 0, replays
+            assert replays.get("verify", 0) > 0, replays
+            for tokens, root in roots.seen[::4]:
+                torch.testing.assert_close(root, dense(tensors, hf_model, tokens), atol=1e-3, rtol=0)
+    assert runs["graphs"] == runs["eager"]
+
+
+def test_eagle_in_bfloat16_with_graphs_parts_from_plain_decoding_only_at_near_ties(checkpoints, tmp_path):
+    from test_eagle import write_eagle_heads
+
+    folder, _ = checkpoints["llama"]
+    write_eagle_heads(tmp_path / "heads")
+    prompts = prompt_set() * 2
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2)
+    plain = LLM(str(folder), device="cuda", dtype="bfloat16").generate(prompts, params)
+    llm = LLM(str(folder), decoding="eagle", device="cuda", dtype="bfloat16",
+              overrides=[f"decoding.heads={tmp_path / 'heads'}"])
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.runner.graphs.replays.get("eagle_tree", 0) > 0
+    near_ties = 0
+    for a, b in zip(plain, outputs):
+        if a.token_ids != b.token_ids:
+            k = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+            (first, second) = [value for _, value in a.logprobs[k]["top"]]
+            assert first - second < BF16_TIE, (k, a.logprobs[k])
+            near_ties += 1
+    print(f"eagle bfloat16: {near_ties} of {len(prompts)} sequences parted at a near-tie")

@@ -1,83 +1,111 @@
-"""Decode steps replayed as CUDA graphs, one per padded batch size.
+"""Forward passes replayed as CUDA graphs, one per padded batch size.
 
-A plain decode step (one committed token per sequence, no drafts) fills the
-static buffers as any step does; rows past the real batch become dummies that
-write to the scratch KV block, and the graph captured for the next larger size
-replays. Everything the forward pass reads (the forward context included) is a
-view of those buffers, so the graph sees each step's values.
+A graph family is one forward pass over the runner's static buffers with a
+fixed number of rows per sequence (its stride): the model's plain decode steps
+(1), its verify steps (1 + max_draft_tokens, draft blocks padded with dummy
+tokens), and whatever passes plugins add at engine start (a draft model's).
+A step fills the buffers as any step does; sequences past the real batch
+become dummies that write to the scratch KV block, and the graph captured for
+the next larger size replays. Everything a pass reads (the forward context
+included) is a view of those buffers, so the graph sees each step's values.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from zoo.forward_context import ForwardContext, forward_context
 
 
+@dataclass(frozen=True)
+class GraphFamily:
+    name: str
+    stride: int  # rows per sequence
+    tree: bool  # rows see only their draft ancestors inside the sequence's draft block (``draft_visible``)
+    body: Callable[[ForwardContext], tuple]  # the pass: reads the context's buffers, returns tensors
+
+
 class DecodeGraphs:
-    """Graphs keyed by (batch size, rows per sequence): 1 for plain decode steps, 1 + max_draft_tokens for
-    verify steps, whose sequences each take that many rows (draft blocks padded with dummy tokens)."""
+    """Graphs keyed by (family name, batch size), sharing one memory pool."""
 
     def __init__(self, runner):
         self.runner = runner
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (size, stride) -> (graph, logits, hidden, layer outputs)
-        self.replays: dict[int, int] = {}  # stride -> replays, to tell which families ran
+        self.families: dict[str, GraphFamily] = {"decode": GraphFamily("decode", 1, False, self._model_body)}
+        if runner.limits.max_draft_tokens:
+            self.add(GraphFamily("verify", 1 + runner.limits.max_draft_tokens, True, self._model_body))
+        self.graphs: dict[tuple[str, int], tuple] = {}  # (family, size) -> (graph, outputs)
+        self.replays: dict[str, int] = {}  # family -> replays, to tell which ran
+
+    def add(self, family: GraphFamily) -> None:
+        if family.name in self.families:
+            raise ValueError(f"graph family {family.name!r} is declared twice")
+        if not 1 <= family.stride <= self.runner.limits.max_num_tokens:
+            raise ValueError(f"graph family {family.name!r}: stride {family.stride} does not fit a step")
+        if family.tree and not self.runner.limits.max_draft_tokens:
+            raise ValueError(f"graph family {family.name!r} reads draft visibility, which plain decoding lacks")
+        self.families[family.name] = family
 
     def batch_sizes(self, stride: int = 1) -> list[int]:
-        # A decode step runs `stride` tokens per sequence, so no step is wider than the token budget either.
+        # A pass runs `stride` tokens per sequence, so none is wider than the token budget either.
         limits = self.runner.limits
         limit = min(limits.max_num_seqs, limits.max_num_tokens // stride)
         sizes = [n for n in (1, 2, 4, 8) if n < limit] + list(range(16, limit, 16)) + [limit]
         return sorted(set(n for n in sizes if n >= 1))
-
-    def strides(self) -> list[int]:
-        draft = self.runner.limits.max_draft_tokens
-        return [1] + ([1 + draft] if draft else [])
 
     def capture(self) -> None:
         """Every family, largest first, sharing one memory pool."""
         runner, device = self.runner, self.runner.device
         pool = None
         stream = torch.cuda.Stream(device)
-        for stride in self.strides():
+        for family in self.families.values():
+            stride = family.stride
             for size in reversed(self.batch_sizes(stride)):
                 self.pad_rows(0, size, stride)
                 buffers = runner.step_buffers({"token": size * stride, "seq": size})
                 meta = runner.attention_metadata(size * stride, size, stride, runner.limits.max_blocks_per_seq,
-                                                 stride > 1, True)
+                                                 family.tree, True)
                 meta.block_tables = runner.buffers["block_tables"][:size]  # full width: any context length fits
                 context = ForwardContext(meta, buffers, None)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream), torch.inference_mode():
-                    self._body(context)  # warm-up: compiles kernels, fills caches
+                    family.body(context)  # warm-up: compiles kernels, fills caches
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 context.layer_outputs = {}
                 with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
-                    outputs = self._body(context)
+                    outputs = family.body(context)
                 pool = graph.pool()
-                self.graphs[size, stride] = (graph, *outputs)
+                self.graphs[family.name, size] = (graph, outputs)
         torch.cuda.synchronize(device)
 
-    def _body(self, context: ForwardContext):
+    def _model_body(self, context: ForwardContext):
         # Every row of a graph step gives logits, in order: no logits_indices gather needed.
         with forward_context(context):
             hidden = self.runner.model(context.buffers["input_ids"], context.positions)
         return self.runner.model.compute_logits(hidden), hidden, dict(context.layer_outputs)
 
-    def size_for(self, scheduled) -> tuple[int, int] | None:
-        """The captured (size, stride) a step can replay, or None to run eagerly."""
+    def size_for(self, family: str, num_seqs: int) -> int | None:
+        """The captured batch size a pass of ``num_seqs`` sequences replays, or None to run eagerly."""
+        stride = self.families[family].stride
+        return next((size for size in self.batch_sizes(stride)
+                     if size >= num_seqs and (family, size) in self.graphs), None)
+
+    def key_for(self, scheduled) -> tuple[str, int] | None:
+        """The (family, size) a model step replays, or None to run eagerly."""
         if not self.graphs or any(e.num_tokens != 1 or not e.samples for e in scheduled):
             return None
-        stride = max(self.strides()) if any(e.draft is not None for e in scheduled) else 1
-        return next(((size, stride) for size in self.batch_sizes(stride)
-                     if size >= len(scheduled) and (size, stride) in self.graphs), None)
+        family = "verify" if any(e.draft is not None for e in scheduled) else "decode"
+        size = self.size_for(family, len(scheduled))
+        return None if size is None else (family, size)
 
-    def replay(self, key: tuple[int, int]):
-        graph, logits, hidden, layer_outputs = self.graphs[key]
+    def replay(self, family: str, size: int) -> tuple:
+        graph, outputs = self.graphs[family, size]
         graph.replay()
-        self.replays[key[1]] = self.replays.get(key[1], 0) + 1
-        return logits, hidden, layer_outputs
+        self.replays[family] = self.replays.get(family, 0) + 1
+        return outputs
 
     def pad_rows(self, real: int, size: int, stride: int = 1) -> None:
         """Sequences ``real..size-1`` become harmless dummies: tokens writing to the scratch block."""
@@ -92,7 +120,7 @@ class DecodeGraphs:
         buf["token_seq"][rows] = torch.arange(real, size, device=runner.device).repeat_interleave(stride)
         buf["token_query_index"][rows] = torch.arange(stride, device=runner.device).repeat(size - real)
         buf["token_cache_index"][rows] = 0
-        if stride > 1:
+        if "draft_visible" in buf:
             buf["draft_visible"][rows] = 0
         buf["block_tables"][seqs, 0] = scratch
         buf["context_lens"][seqs] = 1

@@ -49,6 +49,19 @@ class EngineSetup:
             raise ZooError(str(exc)) from None
         return self.runner.buffers[spec.name]
 
+    def add_graph_pass(self, name: str, stride: int, body, tree: bool = False) -> None:
+        """A forward pass of the plugin's own (a draft model's) over the step buffers, ``stride`` rows per
+        sequence; on CUDA it is captured as graphs per batch size next to the model's steps.
+
+        ``body(context)`` runs under the forward context and returns a tuple of tensors; ``tree`` passes see
+        draft ancestors through ``draft_visible``. Run it with :meth:`zoo.model_runner.ModelRunner.run_pass`.
+        """
+        from zoo.cuda_graphs import GraphFamily
+        try:
+            self.runner.graphs.add(GraphFamily(name, stride, tree, body))
+        except ValueError as exc:
+            raise ZooError(str(exc)) from None
+
     def add_kv_layers(self, modules: list[nn.Module]) -> None:
         """Give attention modules (a draft model's) cache layers from the model's block pool.
 

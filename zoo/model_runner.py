@@ -100,8 +100,8 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         layout = StepLayout(self.description.position_rows, self.block_size)
-        graph = self.graphs.size_for(scheduled)
-        stride = graph[1] if graph else 1
+        graph = self.graphs.key_for(scheduled)
+        stride = self.graphs.families[graph[0]].stride if graph else 1
         for b, entry in enumerate(scheduled):
             if (stride == 1 and entry.num_tokens == 1 and entry.draft is None and not self.position_hooks
                     and entry.start >= entry.request.bidirectional_prefix):
@@ -120,7 +120,7 @@ class ModelRunner:
             batch.attention = self.attention_metadata(batch.num_tokens, len(scheduled), max_query, num_blocks,
                                                       layout.has_drafts, use_kernel)
         else:
-            self.graphs.pad_rows(len(scheduled), *graph)
+            self.graphs.pad_rows(len(scheduled), graph[1], stride)
         self.hooks.zoo_step_prepare(batch=batch, buffers=self.step_buffers(batch.sizes))
         return batch
 
@@ -169,13 +169,34 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> StepOutput:
         rows = len(batch.logits_indices)
         if batch.graph is not None:
-            logits, hidden, layer_outputs = self.graphs.replay(batch.graph)
+            logits, hidden, layer_outputs = self.graphs.replay(*batch.graph)
             return StepOutput(logits[:rows], hidden, layer_outputs)
         buffers = self.step_buffers(batch.sizes)
         with forward_context(ForwardContext(batch.attention, buffers, batch)) as context:
             hidden = self.model(buffers["input_ids"], buffers["positions"])
         logits = self.model.compute_logits(hidden[self.buffers["logits_indices"][:rows]])
         return StepOutput(logits, hidden, context.layer_outputs)
+
+    def pass_size(self, family: str, rows_per_seq: list[int]) -> int | None:
+        """The graph size a plugin's pass replays (pad each sequence to the family's stride), or None: eager."""
+        if not self.graphs.graphs or max(rows_per_seq) > self.graphs.families[family].stride:
+            return None
+        return self.graphs.size_for(family, len(rows_per_seq))
+
+    @torch.inference_mode()
+    def run_pass(self, family: str, layout: StepLayout, block_ids: list[list[int]], size: int | None) -> tuple:
+        """A plugin's pass (:meth:`zoo.engine_setup.EngineSetup.add_graph_pass`) over a laid-out step: the
+        graph of ``size`` replays (its sequences padded to the stride), else the body runs eagerly."""
+        max_query, num_blocks = layout.write(self.buffers, block_ids)
+        if size is not None:
+            self.graphs.pad_rows(len(block_ids), size, self.graphs.families[family].stride)
+            return self.graphs.replay(family, size)
+        num_tokens = len(layout.input_ids)
+        use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
+        meta = self.attention_metadata(num_tokens, len(block_ids), max_query, num_blocks, layout.has_drafts,
+                                       use_kernel)
+        buffers = self.step_buffers({"token": num_tokens, "seq": len(block_ids)})
+        return self.graphs.families[family].body(ForwardContext(meta, buffers, None))
 
     def run_full_step(self) -> None:
         """One forward pass as big as the limits allow: the most tokens, split over dummy requests."""
