@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zoo import DecodingMethod, DraftBlock, Scope, ZooError, hookimpl
+from zoo import DecodingMethod, DraftBlock, HeadsTrainer, Scope, ZooError, hookimpl
 from zoo.forward_context import ForwardContext, forward_context
 from zoo.loader import load_module_weights
-from zoo.model import MLP, Attention, DecoderLayer, RMSNorm
+from zoo.model import MLP, Attention, DecoderLayer, DenseCausal, RMSNorm
 from zoo.step import BufferSpec
 from zoo.step_inputs import StepLayout
 
@@ -165,6 +165,7 @@ class Eagle(DecodingMethod):
         if folder is not None and not folder.is_dir():
             raise ZooError(f"decoding.heads={folder}: no such folder")
         draft_desc, config = draft_description(desc, folder)
+        self.draft_desc = draft_desc
         if folder is None:
             if settings["version"] not in (1, 3):
                 raise ZooError(f"decoding.version={settings['version']!r} must be 1 (EAGLE-1/2) or 3 (EAGLE-3)")
@@ -178,6 +179,11 @@ class Eagle(DecodingMethod):
         self.layers = feature_layers(desc.num_layers) if isinstance(self.draft, Eagle3Draft) else []
         self.engine = engine
         self.roots: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (num_tokens, draft feature at n-1)
+
+    def trainer(self, model) -> "EagleTrainer":
+        if self.layers:
+            raise ZooError("zoo.train trains EAGLE-1/2 drafts (decoding.version=1); EAGLE-3 training is not built")
+        return EagleTrainer(self.draft, model, self.draft_desc)
 
     @hookimpl
     def zoo_engine_start(self, engine, setup):
@@ -351,6 +357,47 @@ class Eagle(DecodingMethod):
         chosen.sort(key=lambda i: (tree[i][3], i))
         index = {old: new for new, old in enumerate(chosen)}
         return DraftBlock([tree[i][0] for i in chosen], [index.get(tree[i][1], -1) for i in chosen])
+
+
+class EagleTrainer(HeadsTrainer):
+    """EAGLE's objective, teacher-forced over whole sequences: the output for pair (feature j, token j + 1)
+    regresses the target's feature j + 1 (smooth L1) and its next-token distribution (soft cross-entropy
+    through the target's LM head, weight 0.1)."""
+
+    def __init__(self, draft: EagleDraft, model, desc):
+        self.module = draft.to(model.lm_head.weight.device, torch.float32).train()
+        self.model, self.desc = model, desc
+        self.lm_head = model.lm_head.weight.detach().float()
+
+    def loss(self, tokens, features):
+        batch, pairs = tokens.shape[0], tokens.shape[1] - 2  # pair j needs feature j + 1: j = 0..L-3
+        features = features.float()
+        positions = torch.arange(pairs, device=tokens.device).repeat(batch)[None]
+        model = self.model.model
+        embeds = model.embed_tokens(tokens[:, 1:pairs + 1]).float().flatten(0, 1)
+        rope = (model.rotary, model.rotary.prepare(positions, torch.float32))
+        with forward_context(ForwardContext(DenseCausal(batch), {}, None)):
+            out = self.module(embeds, features[:, :pairs].flatten(0, 1), rope)
+        target = features[:, 1:pairs + 1].flatten(0, 1)
+        regression = nn.functional.smooth_l1_loss(out, target)
+        with torch.no_grad():
+            target_probs = torch.softmax(target @ self.lm_head.T, dim=-1)
+        classification = -(target_probs * torch.log_softmax(out @ self.lm_head.T, dim=-1)).sum(-1).mean()
+        return regression + 0.1 * classification
+
+    def save(self, folder) -> None:
+        from safetensors.torch import save_file
+
+        folder, desc = Path(folder), self.desc
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {name.replace("layer.", "layers.0.", 1): value.detach().cpu().contiguous()
+                   for name, value in self.module.state_dict().items()}
+        save_file(tensors, str(folder / WEIGHTS))
+        (folder / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": desc.hidden_size,
+            "intermediate_size": desc.intermediate_size, "num_attention_heads": desc.num_heads,
+            "num_key_value_heads": desc.num_kv_heads, "num_hidden_layers": 1, "rms_norm_eps": desc.norm_eps,
+            "vocab_size": desc.vocab_size, "hidden_act": "silu", "bias": True}, indent=1))
 
 
 @hookimpl

@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from zoo import DecodingMethod, DraftBlock, Scope, ZooError, hookimpl
+from zoo import DecodingMethod, DraftBlock, HeadsTrainer, Scope, ZooError, hookimpl
 from zoo.loader import load_module_weights
 
 zoo_scope = Scope(option="decoding=medusa")
@@ -135,6 +135,9 @@ class Medusa(DecodingMethod):
         bar = min(self.threshold, self.alpha * float(torch.exp(-entropy)))
         return next((i for i, t in enumerate(tokens) if float(target[t]) > bar), None)
 
+    def trainer(self, model) -> "MedusaTrainer":
+        return MedusaTrainer(self.heads, model, self.fresh)
+
     @hookimpl
     def zoo_engine_start(self, engine):
         if self.fresh:
@@ -166,6 +169,37 @@ class Medusa(DecodingMethod):
     @hookimpl
     def zoo_request_finished(self, request):
         self.last_hidden.pop(request.request_id, None)
+
+
+class MedusaTrainer(HeadsTrainer):
+    """Head ``k`` at position ``j`` learns the token at ``j + k + 2`` (the target's own), weighted 0.8 ** k
+    as in the Medusa paper; fresh heads start from Medusa's initialisation."""
+
+    def __init__(self, heads: MedusaHeads, model, fresh: bool):
+        if fresh:
+            heads.fresh(model.lm_head)
+        self.module = heads.to(model.lm_head.weight.device, torch.float32).train()
+
+    def loss(self, tokens, features):
+        length, total, weights = tokens.shape[1], 0.0, 0.0
+        for k, head in enumerate(self.module):
+            if length - k - 2 < 1:
+                break
+            logits = head(features[:, :length - k - 2].float())
+            total = total + 0.8 ** k * nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, k + 2:].flatten())
+            weights += 0.8 ** k
+        return total / weights
+
+    def save(self, folder) -> None:
+        from safetensors.torch import save_file
+
+        heads = self.module
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(folder / HEADS_FILE))
+        (folder / "config.json").write_text(json.dumps({
+            "medusa_num_heads": len(heads), "medusa_num_layers": len(heads[0]) - 1,
+            "hidden_size": heads[0][-1].in_features, "vocab_size": heads[0][-1].out_features}, indent=1))
 
 
 @hookimpl

@@ -2,11 +2,11 @@
 
 from zoo.description import ModelDescription
 from zoo.errors import RequestError, ZooError
-from zoo.decoding import DecodingMethod, DraftBlock
+from zoo.decoding import DecodingMethod, DraftBlock, HeadsTrainer
 from zoo.plugins import Scope, hookimpl
 from zoo.sampling_params import SamplingParams
 
-__all__ = ["LLM", "ModelDescription", "SamplingParams", "DraftBlock", "DecodingMethod", "Scope", "ZooError",
+__all__ = ["LLM", "ModelDescription", "SamplingParams", "DraftBlock", "DecodingMethod", "HeadsTrainer", "Scope", "ZooError",
            "RequestError", "hookimpl"]
 
 

@@ -129,6 +129,29 @@ class DecodingMethod:
         """Draft blocks by request id for some of ``requests`` (each about to decode one token)."""
         raise NotImplementedError
 
+    def trainer(self, model) -> "HeadsTrainer":
+        """For a method with weights: what ``python -m zoo.train`` optimises over the target ``model``."""
+        raise ZooError(f"decoding={self.name} has no weights to train")
+
+
+class HeadsTrainer:
+    """A method's weights under self-distillation from its target (``python -m zoo.train``).
+
+    ``module`` holds the parameters to optimise (float32, on the target's device). ``loss(tokens,
+    features)`` takes ``tokens`` ``[B, L]``, text the target wrote itself, and ``features``
+    ``[B, L - 1, hidden]``, the target's final hidden states at positions ``0..L-2`` (each the one that
+    predicted the next token), and returns a scalar. ``save(folder)`` writes the layout that
+    ``decoding.heads=folder`` loads.
+    """
+
+    module: "torch.nn.Module"
+
+    def loss(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def save(self, folder) -> None:
+        raise NotImplementedError
+
 
 def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
     """The method ``decoding=name`` selects, built once and registered as a plugin; None for plain decoding."""

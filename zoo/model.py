@@ -45,6 +45,22 @@ class AttentionMetadata:
     use_decode_kernel: bool = False
 
 
+@dataclass
+class DenseCausal:
+    """Attention without a cache: ``num_seqs`` equal-length sequences laid end to end, each token seeing its
+    own sequence's earlier tokens. For training and teacher-forced scoring (``zoo.pretrain``, ``zoo.train``)."""
+
+    num_seqs: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        def batched(x):  # [T, H, D] -> [B, H, T / B, D]
+            return x.view(self.num_seqs, -1, *x.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(q.shape)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -276,6 +292,10 @@ class Attention(nn.Module):
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         rotary, tables = rope if rope is not None else (None, None)
+        if isinstance(meta, DenseCausal):
+            if rotary is not None:
+                q, k = rotary(q, k, tables)
+            return self.o_proj(meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim))
         if self.fused and (rotary is None or rotary.rotate_half_tables):
             cos, sin = (tables[0][:, 0], tables[1][:, 0]) if rotary is not None else (None, None)
             q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
