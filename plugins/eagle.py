@@ -32,6 +32,7 @@ from torch import nn
 
 from zoo import DecodingMethod, DraftBlock, HeadsTrainer, Scope, ZooError, hookimpl
 from zoo.forward_context import ForwardContext, forward_context
+from zoo.decoding import heads_folder
 from zoo.loader import load_module_weights
 from zoo.model import MLP, Attention, DecoderLayer, DenseCausal, RMSNorm
 from zoo.step import BufferSpec
@@ -161,7 +162,7 @@ class Eagle(DecodingMethod):
         if self.top_k * self.depth > self.max_draft_tokens:
             raise ZooError(f"decoding=eagle: top_k * depth = {self.top_k * self.depth} expanded nodes need as many "
                            f"draft slots; raise total_tokens above {self.top_k * self.depth}")
-        folder = Path(str(settings["heads"])).expanduser() if settings["heads"] else None
+        folder = self.folder = heads_folder(engine, self.name)
         if folder is not None and not folder.is_dir():
             raise ZooError(f"decoding.heads={folder}: no such folder")
         draft_desc, config = draft_description(desc, folder)
@@ -187,7 +188,7 @@ class Eagle(DecodingMethod):
 
     @hookimpl
     def zoo_engine_start(self, engine, setup):
-        if not self.engine.config["decoding"]["heads"]:
+        if self.folder is None:
             print("note: decoding=eagle starts from a random draft layer (no decoding.heads): tokens are exact, "
                   "nothing is accepted until it is trained", file=sys.stderr)
         self.draft = self.draft.to(engine.device, engine.dtype).eval()  # d2t, an integer buffer, stays long
@@ -385,12 +386,12 @@ class EagleTrainer(HeadsTrainer):
         classification = -(target_probs * torch.log_softmax(out @ self.lm_head.T, dim=-1)).sum(-1).mean()
         return regression + 0.1 * classification
 
-    def save(self, folder) -> None:
+    def save(self, folder, dtype) -> None:
         from safetensors.torch import save_file
 
         folder, desc = Path(folder), self.desc
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {name.replace("layer.", "layers.0.", 1): value.detach().cpu().contiguous()
+        tensors = {name.replace("layer.", "layers.0.", 1): value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype).contiguous()
                    for name, value in self.module.state_dict().items()}
         save_file(tensors, str(folder / WEIGHTS))
         (folder / "config.json").write_text(json.dumps({

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from zoo import DecodingMethod, DraftBlock, HeadsTrainer, Scope, ZooError, hookimpl
+from zoo.decoding import heads_folder
 from zoo.loader import load_module_weights
 
 zoo_scope = Scope(option="decoding=medusa")
@@ -111,12 +112,13 @@ class Medusa(DecodingMethod):
     def __init__(self, engine):
         """Settings and heads files are checked here, before the model's weights load."""
         settings, desc = engine.config["decoding"], engine.description
-        self.fresh = not settings["heads"]
+        folder = heads_folder(engine, self.name)
+        self.fresh = folder is None
         if self.fresh:
             self.heads = MedusaHeads(desc.hidden_size, desc.vocab_size, int(settings["num_heads"]),
                                      int(settings["num_layers"]))
         else:
-            self.heads = load_heads(str(settings["heads"]), desc.hidden_size, desc.vocab_size)
+            self.heads = load_heads(str(folder), desc.hidden_size, desc.vocab_size)
         tree = settings["tree"]
         tree = OmegaConf.to_container(tree) if OmegaConf.is_config(tree) else tree
         self.paths, self.parents = parse_tree(tree or MC_SIM_7B_63, len(self.heads))
@@ -190,13 +192,13 @@ class MedusaTrainer(HeadsTrainer):
             weights += 0.8 ** k
         return total / weights
 
-    def save(self, folder) -> None:
+    def save(self, folder, dtype) -> None:
         from safetensors.torch import save_file
 
         heads = self.module
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(folder / HEADS_FILE))
+        save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in heads.state_dict().items()}, str(folder / HEADS_FILE))
         (folder / "config.json").write_text(json.dumps({
             "medusa_num_heads": len(heads), "medusa_num_layers": len(heads[0]) - 1,
             "hidden_size": heads[0][-1].in_features, "vocab_size": heads[0][-1].out_features}, indent=1))

@@ -152,3 +152,13 @@ def test_request_too_big_for_cache_is_rejected(checkpoints):
     outs = llm.generate([prompt_set()[0], prompt_set()[1]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert outs[0].finish_reason == "length"
     assert outs[1].finish_reason == "error" and "needs 10 KV blocks" in outs[1].error
+
+
+@pytest.mark.parametrize("prompt", ["def main():", "it's (x) [1, 2]", "a\\b", "ends\\", "q\\'x", "x=1, y=2", "${oops}",
+                                    "f'{x}'", ""])
+def test_prompt_text_reaches_the_engine_as_typed(prompt):
+    """`prompt="def main():"` is plain text to the shell user; Hydra's grammar would choke on the parentheses."""
+    from zoo.config import compose_config
+    from zoo.run import quote_free_text
+
+    assert compose_config(quote_free_text([f"prompt={prompt}"])).prompt == prompt

@@ -297,7 +297,7 @@ def test_capturing_a_layer_that_does_not_exist_is_an_error():
         def zoo_engine_start(self, setup):
             setup.capture_layers([7])
 
-    with pytest.raises(ZooError, match=r"cannot capture layers \[7\]: the model has layers 0..1"):
+    with pytest.raises(ZooError, match=r"cannot capture layers \[7\]: the model has layers 0..3"):
         LLM(plugins=[Greedy()])
 
 

@@ -80,8 +80,8 @@ def test_bfloat16_weights_stay_close(checkpoints):
         assert abs(value - float(reference[token])) < 0.05  # bf16 weights and activations
 
 
-def test_cli_default_run_says_random_init(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "zoo.run", "prompt=Hello", "sampling.max_new_tokens=8"],
+def test_cli_random_init_embedded_model_says_so(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", "model=gpt2", "prompt=Hello", "sampling.max_new_tokens=8"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120,
                           env={**os.environ})
     assert proc.returncode == 0, proc.stderr
@@ -111,7 +111,7 @@ def test_cli_jsonl_with_logprobs_and_overrides(tmp_path, checkpoints):
 
 
 def test_logit_bias_forces_a_token():
-    out = LLM().generate(["x"], SamplingParams(max_new_tokens=4, logit_bias={65: 100.0}))[0]
+    out = LLM(model="gpt2").generate(["x"], SamplingParams(max_new_tokens=4, logit_bias={65: 100.0}))[0]
     assert out.token_ids == [65] * 4 and out.text == "AAAA"
 
 

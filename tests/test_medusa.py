@@ -146,7 +146,7 @@ def test_bad_medusa_settings_are_one_line(checkpoints, tmp_path, override, messa
 
 
 def test_jsonl_records_steps_and_the_summary_reports_acceptance(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "zoo.run", "decoding=medusa", "output.format=jsonl",
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", "model=gpt2", "decoding=medusa", "output.format=jsonl",
                            "sampling.max_new_tokens=24", "prompt=zoo zoo zoo"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -147,18 +147,21 @@ def test_stop_token_ids(llama_llm, checkpoints):
 
 
 def test_stop_strings_cut_the_text():
-    llm = LLM()  # embedded model with the byte tokenizer, so text is predictable from ids
-    free = llm.generate(["The zoo"], SamplingParams(max_new_tokens=24))[0]
-    stop = free.text[5:7]
-    assert stop and free.text.find(stop) == 5
-    out = llm.generate(["The zoo"], SamplingParams(max_new_tokens=24, stop=[stop]))[0]
+    llm = LLM()
+    free = llm.generate(["def main():"], SamplingParams(max_new_tokens=24))[0]
+    # Two characters past the start that do not occur earlier: the text must stop right before them.
+    cut = next(i for i in range(4, len(free.text) - 1) if free.text.find(free.text[i:i + 2]) == i)
+    stop = free.text[cut:cut + 2]
+    out = llm.generate(["def main():"], SamplingParams(max_new_tokens=24, stop=[stop]))[0]
     assert out.finish_reason == "stop"
-    assert out.text == free.text[:5]
-    assert out.token_ids == free.token_ids[:7]
+    assert out.text == free.text[:cut]
+    # Generation ended on the token that completed the stop string.
+    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert stop in llm.tokenizer.decode(out.token_ids) and stop not in llm.tokenizer.decode(out.token_ids[:-1])
 
 
 def test_stream_yields_tokens_in_order():
-    llm = LLM()
+    llm = LLM(model="gpt2")
     prompts = ["a", "bb", "ccc"]
     params = SamplingParams(max_new_tokens=6)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
@@ -195,14 +198,14 @@ class Force:
 def test_stream_text_deltas_hold_back_incomplete_characters():
     """Byte tokenizer: "é" and "€" span several tokens; no delta shows half a character."""
     forced = list("éa€b".encode())
-    llm = LLM(plugins=[Force(forced)])
+    llm = LLM(model="gpt2", plugins=[Force(forced)])
     params = SamplingParams(max_new_tokens=len(forced))
     pieces = [e.text for e in llm.stream(["x"], params)]
     assert pieces == ["", "é", "a", "", "", "€", "b"]
 
 
 def test_stream_never_shows_text_a_stop_string_cuts():
-    llm = LLM(plugins=[Force(list(b"xaby"))])
+    llm = LLM(model="gpt2", plugins=[Force(list(b"xaby"))])
     params = SamplingParams(max_new_tokens=4, stop=["ab"])
     events = list(llm.stream(["q"], params))
     assert [e.text for e in events] == ["x", "", ""]

@@ -17,6 +17,7 @@ which also accepts tokens the target would not have drawn itself.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,14 +135,33 @@ class DecodingMethod:
         raise ZooError(f"decoding={self.name} has no weights to train")
 
 
+CHECKPOINT_HEADS = "zoo_heads"  # <checkpoint>/zoo_heads/<method>/: the heads a method uses by default
+
+
+def heads_folder(engine, method: str) -> "Path | None":
+    """``decoding.heads``, else the checkpoint's own heads for ``method`` if it has them, else None (fresh)."""
+    from pathlib import Path
+
+    setting = engine.config["decoding"]["heads"]
+    if setting:
+        return Path(str(setting)).expanduser()
+    checkpoint = getattr(engine, "checkpoint", None)
+    folder = checkpoint.folder / CHECKPOINT_HEADS / method if checkpoint and checkpoint.folder else None
+    if folder is None or not folder.is_dir():
+        return None
+    print(f"note: decoding={method} uses the checkpoint's own heads ({folder}); decoding.heads=DIR picks others",
+          file=sys.stderr)
+    return folder
+
+
 class HeadsTrainer:
     """A method's weights under self-distillation from its target (``python -m zoo.train``).
 
     ``module`` holds the parameters to optimise (float32, on the target's device). ``loss(tokens,
     features)`` takes ``tokens`` ``[B, L]``, text the target wrote itself, and ``features``
     ``[B, L - 1, hidden]``, the target's final hidden states at positions ``0..L-2`` (each the one that
-    predicted the next token), and returns a scalar. ``save(folder)`` writes the layout that
-    ``decoding.heads=folder`` loads.
+    predicted the next token), and returns a scalar. ``save(folder, dtype)`` writes the layout that
+    ``decoding.heads=folder`` loads, its tensors in ``dtype``.
     """
 
     module: "torch.nn.Module"
@@ -149,7 +169,7 @@ class HeadsTrainer:
     def loss(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def save(self, folder) -> None:
+    def save(self, folder, dtype: torch.dtype) -> None:
         raise NotImplementedError
 
 

@@ -179,17 +179,18 @@ def _eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
 
 
 def open_checkpoint(model_cfg, plugin_manager) -> Checkpoint:
-    """Describe the checkpoint ``model.path`` names, or the embedded default (``model.embedded``)."""
+    """Describe the checkpoint ``model.path`` names, or the embedded default (``model.embedded``): a checkpoint
+    folder shipped inside the package (a string), or a config.json built with random weights (a mapping)."""
     if model_cfg.get("path"):
         folder = resolve_checkpoint(str(model_cfg["path"]))
-        hf_config = read_json(folder / "config.json", "model config")
-        description = describe_model(hf_config, plugin_manager, str(folder / "config.json"))
-        tokenizer = load_tokenizer(folder)
-        description.eos_token_ids = _eos_ids(folder, hf_config, tokenizer)
-        return Checkpoint(description, tokenizer, f"checkpoint {folder}", folder)
+        return _open_folder(folder, plugin_manager, f"checkpoint {folder}")
     embedded = model_cfg.get("embedded")
     if not embedded:
         raise ZooError(f"model option {model_cfg.get('name')!r} has no embedded default: set model.path")
+    if isinstance(embedded, str):
+        folder = Path(__file__).parent / embedded
+        return _open_folder(folder, plugin_manager, f"embedded default {folder} (a small model trained on Python's "
+                                                    "standard library by zoo.pretrain; set model.path for others)")
     tokenizer = ByteTokenizer()
     hf_config = {k: v for k, v in dict(embedded).items() if k != "seed"}
     hf_config["vocab_size"] = tokenizer.vocab_size
@@ -199,6 +200,14 @@ def open_checkpoint(model_cfg, plugin_manager) -> Checkpoint:
     source = (f"embedded default {hf_config['architectures'][0]} (RANDOM-INIT weights, seed {seed}: the text is "
               "noise; set model.path to load a checkpoint)")
     return Checkpoint(description, tokenizer, source, None, seed)
+
+
+def _open_folder(folder: Path, plugin_manager, source: str) -> Checkpoint:
+    hf_config = read_json(folder / "config.json", "model config")
+    description = describe_model(hf_config, plugin_manager, str(folder / "config.json"))
+    tokenizer = load_tokenizer(folder)
+    description.eos_token_ids = _eos_ids(folder, hf_config, tokenizer)
+    return Checkpoint(description, tokenizer, source, folder)
 
 
 def load_model(checkpoint: Checkpoint, hooks, dtype: torch.dtype, device: torch.device) -> DecoderModel:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -78,7 +79,26 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(status)
 
 
+FREE_TEXT_KEYS = ("prompt",)  # values people type as plain text: `prompt="def main():"` must just work
+
+
+def quote_free_text(argv: list[str]) -> list[str]:
+    """Quote free-text values for Hydra's override grammar, which reads ``(``, ``:``, ``[`` and such."""
+    quoted = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in FREE_TEXT_KEYS and not (value[:1] in "'\"" and value[-1:] == value[:1]
+                                                                and len(value) > 1):
+            # Hydra's quoted strings escape quotes and the backslashes right before them.
+            escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+            escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped).replace("${", "\\${")  # no interpolation
+            arg = f"{key}='{escaped}'"
+        quoted.append(arg)
+    return quoted
+
+
 def main() -> None:
+    sys.argv[1:] = quote_free_text(sys.argv[1:])
     try:
         register_plugin_configs()
         check_group_options(sys.argv[1:])

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zoo.config import check_group_options, register_plugin_configs
 from zoo.decoding import HeadsTrainer
+from zoo.engine_setup import DTYPES
 from zoo.errors import ZooError
 from zoo.llm import LLM
 from zoo.plugins import hookimpl, load_plugins, registered_names
@@ -190,7 +191,7 @@ def train(cfg: DictConfig) -> dict:
         print(f"\ninterrupted after {len(log)} steps: saving the heads trained so far", file=sys.stderr)
     bar.close()
     module.eval()
-    trainer.save(folder)
+    trainer.save(folder, DTYPES[str(settings.save_dtype)])
     report = {"method": cfg.decoding.name, "steps": len(log), "interrupted": interrupted,
               "sequences": len(sequences), "held_out_prompts": len(held_out), "log": log}
     plot_loss(log, folder / "loss.png", cfg.decoding.name)
