@@ -8,7 +8,8 @@
 #   .carry/gpt_fast/  shared/anchors/gpt_fast (only for the optional `anchor` part)
 #
 #   bash bench/gpu_session.sh --quick        install, then import zoo and list its plugins for both trees
-#   bash bench/gpu_session.sh [PART ...]     PART: gpu cpu tests anchor; default: gpu cpu tests
+#   bash bench/gpu_session.sh [PART ...]     PART: gpu cpu tests anchor spec; default: gpu cpu tests
+#                                            `spec` = bench/speculative_gpu.py (SPEC_ARGS, SPEC_CAP_S)
 #                                            `bench` = gpu cpu
 #
 # Both trees are installed the same way for the benchmarks: non-editable, with --no-deps, into their own
@@ -49,7 +50,7 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor) PARTS+=("$a") ;;
+    gpu|cpu|tests|anchor|spec) PARTS+=("$a") ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -158,7 +159,9 @@ if [ -n "${FORCE_DEPS_TARGET:-}" ] || ! "$PY" -c "import hydra, omegaconf, plugg
   DEPS_PATH=/tmp/zoo_deps
   status "note    dependencies from PYTHONPATH=$DEPS_PATH (site-packages install failed or FORCE_DEPS_TARGET)"
 fi
-run_part install_base 120 "$STAGE/install_base.log" install_target "$ROOT/.carry/base" /tmp/zoo_base
+if want gpu || want cpu; then
+  run_part install_base 120 "$STAGE/install_base.log" install_target "$ROOT/.carry/base" /tmp/zoo_base
+fi
 run_part install_current 120 "$STAGE/install_current.log" install_target "$ROOT" /tmp/zoo_current
 
 if [ $QUICK -eq 1 ]; then
@@ -232,6 +235,14 @@ if want tests; then
   export -f pytest_cuda
   run_part "pytest test_gpu.py" 240 "$STAGE/pytest_gpu.log" pytest_cuda test_gpu -q -p no:cacheprovider ${GPU_TESTS:-tests/test_gpu.py}
   [ "${SUITE:-1}" = 1 ] && run_part "pytest tests" 540 "$STAGE/pytest_all.log" pytest_cuda suite -q ${PYTEST_X--x} -p no:cacheprovider tests
+fi
+
+# ---------------------------------------------------------------- optional: speculative decoding end to end
+if want spec; then
+  mkdir -p "$OUT/spec"
+  # shellcheck disable=SC2086
+  run_part "speculative_gpu" "${SPEC_CAP_S:-540}" "$OUT/spec/spec.log" \
+    with_tree current "$PY" "$ROOT/bench/speculative_gpu.py" --out "$OUT/spec" ${SPEC_ARGS:-}
 fi
 
 # ---------------------------------------------------------------- optional: gpt-fast anchor (not in the default)
