@@ -88,7 +88,8 @@ def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dic
     rows, plain = [], {}
     for method in METHODS:
         overrides = [f"decoding.heads={heads[method]}"] if method in heads else []
-        llm = LLM(str(target), decoding=method, overrides=overrides, dtype=DTYPE, enable_prefix_caching=False)
+        llm = LLM(str(target), decoding=method, overrides=overrides, dtype=DTYPE, enable_prefix_caching=False,
+                  max_num_seqs=max(BATCHES))  # no graphs captured for batches never run
         for batch in BATCHES:
             tok_s, tokens, stats = measure(llm, prompts[:batch], new_tokens)
             accepted = stats.accepted_depth + [0] * len(stats.drafted_depth)
@@ -162,7 +163,7 @@ def verify_step_cost(folder: Path, drafts=(16, 32, 64), new_tokens: int = 64) ->
     """Milliseconds per step at batch 1 on the 1B shape: plain decode, then verify steps of n draft tokens."""
     costs = {}
     for n in (0, *drafts):
-        llm = LLM(str(folder), plugins=[RegistersFixedChain(n)] if n else [], dtype=DTYPE,
+        llm = LLM(str(folder), plugins=[RegistersFixedChain(n)] if n else [], dtype=DTYPE, max_num_seqs=1,
                   enable_prefix_caching=False, overrides=["decoding.name=fixed_chain"] if n else [])
         _, _, stats = measure(llm, [[1] * 128], new_tokens)
         decode_steps = max(stats.steps - 1, 1)  # the first step is the prompt's
@@ -237,8 +238,8 @@ def smoke(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu/speculative"))
-    p.add_argument("--pretrain-s", type=float, default=170)
-    p.add_argument("--train-steps", type=int, default=500)
+    p.add_argument("--pretrain-s", type=float, default=130)
+    p.add_argument("--train-steps", type=int, default=400)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--skip-1b", action="store_true")
     p.add_argument("--plot", type=Path, default=None, help="only draw the PNG of an earlier run's JSON")
@@ -278,6 +279,7 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name()}
     record["methods"] = method_rows(target, heads, prompts, args.new_tokens)
     (args.out / "spec.json").write_text(json.dumps(record, indent=1))
+    write_markdown(record, args.out / "spec.md")
     if not args.skip_1b:
         sys.path.insert(0, str(Path(__file__).parent))
         from gpu import write_checkpoint
