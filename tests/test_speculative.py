@@ -332,3 +332,21 @@ def test_a_failing_draft_method_never_changes_a_token(llama, capfd):
     assert llm.engine.draft_failures == 1 and drafter.proposed > 0
     assert "decoding method 'fails_on_third_call' failed to propose drafts (RuntimeError: draft head out of " \
            "memory)" in capfd.readouterr().err
+
+
+def test_drafting_stops_above_disable_by_batch_size():
+    """vLLM's policy: with more decoding requests than the limit a step drafts nothing, and tokens stay exact."""
+    prompts = ["def main():", "import os", "class A:", "x = ["]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = LLM().generate(prompts, params)
+    for limit, drafts in ((3, False), (4, True)):
+        llm = LLM(decoding="medusa", overrides=[f"decoding.disable_by_batch_size={limit}"])
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+        assert bool(llm.engine.stats.drafted_depth) == drafts
+
+
+def test_a_bad_disable_by_batch_size_is_one_line(tmp_path):
+    from test_medusa import assert_one_line_error
+
+    assert_one_line_error("eagle", ["decoding.disable_by_batch_size=-1"],
+                          "decoding.disable_by_batch_size=-1 must be an integer >= 0 or null", tmp_path)

@@ -173,6 +173,17 @@ class HeadsTrainer:
         raise NotImplementedError
 
 
+def draft_batch_limit(settings) -> int:
+    """``decoding.disable_by_batch_size`` (vLLM's name): above this many decoding requests a step drafts
+    nothing; null or absent: always draft."""
+    limit = settings.get("disable_by_batch_size") if hasattr(settings, "get") else None
+    if limit is None:
+        return 1 << 62
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ZooError(f"decoding.disable_by_batch_size={limit!r} must be an integer >= 0 or null")
+    return limit
+
+
 def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
     """The method ``decoding=name`` selects, built once and registered as a plugin; None for plain decoding."""
     from zoo.plugins import registered_names

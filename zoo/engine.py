@@ -8,7 +8,7 @@ import time
 from zoo import fused_ops
 from zoo.block_manager import BlockManager
 from zoo.commit import Committer
-from zoo.decoding import choose_method, fit_drafts
+from zoo.decoding import choose_method, draft_batch_limit, fit_drafts
 from zoo.engine_setup import EngineSetup, device_and_dtype
 from zoo.errors import ZooError
 from zoo.intake import RequestIntake
@@ -37,6 +37,7 @@ class Engine:
         # From here on only the plugins that take part in this run are called.
         self.plugins = select_plugins(self.plugin_manager, config, self.description.architecture)
         # Before the weights load, so that a bad decoding setting costs no loading time.
+        self.draft_batch_limit = draft_batch_limit(config["decoding"])
         self.decoding = choose_method(self.plugin_manager, config["decoding"]["name"], self)
         self.model = load_model(self.checkpoint, self.hooks, self.dtype, self.device)
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
@@ -102,13 +103,15 @@ class Engine:
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one forward pass; returns ``(request, new_token_ids)`` for requests that advanced."""
+        start = time.perf_counter()
         decoding = self.scheduler.decoding_requests() if self.decoding else []
+        if len(decoding) > self.draft_batch_limit:  # under load a verify step costs more than its drafts gain
+            decoding = []
         scheduled = self.scheduler.schedule(self._drafts(decoding) if decoding else {})
         if not scheduled:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request; this is a bug")
             return []
-        start = time.perf_counter()
         batch = self.runner.prepare(scheduled)
         output = self.runner.run(batch)
         generated_before = self.stats.generated_tokens
