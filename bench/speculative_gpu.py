@@ -84,6 +84,25 @@ def measure(llm, prompts, new_tokens: int, repeats: int = 2) -> tuple[float, lis
     return len(prompts) * new_tokens / best, [o.token_ids for o in outputs], llm.engine.stats
 
 
+BF16_TIE = 0.05  # log-probability gap under which plain decoding's top two candidates count as a near-tie
+
+
+def parted_at_near_tie(plain_outputs, tokens) -> list[bool]:
+    """For each sequence that differs from plain decoding: whether plain decoding's top two candidates at the
+    first differing token were a near-tie (bf16: another batch or draft shape sums in another order)."""
+    verdicts = []
+    for reference, got in zip(plain_outputs, tokens):
+        if reference.token_ids == got:
+            continue
+        k = next((i for i, (a, b) in enumerate(zip(reference.token_ids, got)) if a != b), None)
+        if k is None:
+            verdicts.append(False)
+            continue
+        first, second = [value for _, value in reference.logprobs[k]["top"]]
+        verdicts.append(first - second < BF16_TIE)
+    return verdicts
+
+
 def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dict]:
     rows, plain = [], {}
     for method in METHODS:
@@ -97,41 +116,51 @@ def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dic
                    "accepted_length": round(stats.generated_tokens / max(stats.token_steps, 1), 3),
                    "acceptance_by_depth": [round(a / n, 3) for n, a in zip(stats.drafted_depth, accepted) if n]}
             if method == "none":
-                plain[batch] = (tok_s, tokens)
+                plain[batch] = (tok_s, tokens, llm.generate(prompts[:batch], SamplingParams(
+                    max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)))
             row["speedup"] = round(tok_s / plain[batch][0], 3)
             row["identical_sequences"] = sum(a == b for a, b in zip(tokens, plain[batch][1]))
+            row["parted_at_near_tie"] = parted_at_near_tie(plain[batch][2], tokens)
+            row["ms_per_step"] = phase_profile(llm, prompts[:batch], new_tokens)
             rows.append(row)
             log(f"{method:9} batch {batch:3}: {tok_s:9.1f} tok/s  x{row['speedup']:.2f}  accepted "
                 f"{row['accepted_length']:.2f}  identical {row['identical_sequences']}/{batch}")
-        if method == "eagle":
-            rows.append({"method": "eagle", "draft_vs_target": draft_step_cost(llm, prompts[:1], new_tokens)})
         del llm
         torch.cuda.empty_cache()
     return rows
 
 
-def draft_step_cost(llm, prompts, new_tokens: int) -> dict:
-    """EAGLE at batch 1: milliseconds per step spent drafting (the tree's passes, and the extend pass that
-    follows the target's cache) against the target's own verify step."""
-    engine, spent = llm.engine, {"tree": 0.0, "extend": 0.0, "target": 0.0}
-    method = engine.decoding
+def phase_profile(llm, prompts, new_tokens: int) -> dict:
+    """Milliseconds per step in each phase of the engine's step, each timed between device synchronisations
+    (so the phases' sum exceeds an unprofiled step): drafting (``propose``), laying out the step
+    (``prepare``), the target's forward pass (``target``), choosing and committing tokens (``commit``), and the
+    step-results hooks (``results``: EAGLE's extend pass)."""
+    engine, spent = llm.engine, dict.fromkeys(("propose", "prepare", "target", "commit", "results"), 0.0)
+    originals = []
 
-    def timed(name, fn, when=lambda *args: True):
+    def timed(owner, attribute, name):
+        function = getattr(owner, attribute)
+        originals.append((owner, attribute, function))
+
         def wrapper(*args, **kwargs):
-            if not when(*args):
-                return fn(*args, **kwargs)
             synchronize()
             start = time.perf_counter()
-            out = fn(*args, **kwargs)
+            out = function(*args, **kwargs)
             synchronize()
             spent[name] += time.perf_counter() - start
             return out
-        return wrapper
+        setattr(owner, attribute, wrapper)
 
-    method.propose = timed("tree", method.propose)
-    method._run = timed("extend", method._run, when=lambda family, *rest: family == "eagle_extend")
-    engine.runner.run = timed("target", engine.runner.run)
-    _, _, stats = measure(llm, prompts, new_tokens, repeats=1)
+    timed(engine, "_drafts", "propose")
+    timed(engine.runner, "prepare", "prepare")
+    timed(engine.runner, "run", "target")
+    timed(engine.committer, "commit_step", "commit")
+    timed(engine.hooks, "zoo_step_results", "results")
+    try:
+        _, _, stats = measure(llm, prompts, new_tokens, repeats=1)
+    finally:
+        for owner, attribute, function in originals:
+            setattr(owner, attribute, function)
     steps = max(stats.steps, 1)
     return {key: round(1000 * value / steps, 3) for key, value in spent.items()} | {"steps": steps}
 
@@ -161,39 +190,44 @@ class RegistersFixedChain:
 
 def verify_step_cost(folder: Path, drafts=(16, 32, 64), new_tokens: int = 64) -> dict:
     """Milliseconds per step at batch 1 on the 1B shape: plain decode, then verify steps of n draft tokens."""
-    costs = {}
+    costs, phases = {}, {}
     for n in (0, *drafts):
         llm = LLM(str(folder), plugins=[RegistersFixedChain(n)] if n else [], dtype=DTYPE, max_num_seqs=1,
                   enable_prefix_caching=False, overrides=["decoding.name=fixed_chain"] if n else [])
         _, _, stats = measure(llm, [[1] * 128], new_tokens)
         decode_steps = max(stats.steps - 1, 1)  # the first step is the prompt's
         costs[n] = round(1000 * stats.decode_seconds / decode_steps, 3)
+        phases[n] = phase_profile(llm, [[1] * 128], new_tokens)
         log(f"1B shape, batch 1: {'plain' if n == 0 else f'verify {n}':>10}: {costs[n]:.3f} ms per step; graphs "
-            f"{dict(llm.engine.runner.graphs.replays)}")
+            f"{dict(llm.engine.runner.graphs.replays)}; phases {phases[n]}")
         del llm
         torch.cuda.empty_cache()
-    return {"ms_per_step": costs, "ratio_to_plain": {n: round(costs[n] / costs[0], 3) for n in drafts}}
+    return {"ms_per_step": costs, "ratio_to_plain": {n: round(costs[n] / costs[0], 3) for n in drafts},
+            "phases": phases}
 
 
 def write_markdown(record: dict, path: Path) -> None:
-    lines = ["| method | batch | tok/s | speedup | accepted length | identical | acceptance by depth |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | tok/s | speedup | accepted length | identical (+ parted at a near-tie) | "
+             "acceptance by depth | ms per step: propose / prepare / target / commit / results |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in record["methods"]:
         if "batch" in row:
             depths = " ".join(f"{a:.2f}" for a in row["acceptance_by_depth"][:5]) or "-"
+            ties = sum(row.get("parted_at_near_tie", []))
+            phases = " / ".join(f"{row['ms_per_step'][k]:.2f}" for k in ("propose", "prepare", "target", "commit",
+                                                                           "results")) if "ms_per_step" in row else "-"
             lines.append(f"| {row['method']} | {row['batch']} | {row['tok_s']:.0f} | {row['speedup']:.2f}x | "
-                         f"{row['accepted_length']:.2f} | {row['identical_sequences']}/{row['batch']} | {depths} |")
+                         f"{row['accepted_length']:.2f} | {row['identical_sequences']} (+{ties}) of {row['batch']} | "
+                         f"{depths} | {phases} |")
     verify = record.get("verify_1b")
     if verify:
         lines += ["", "| 1B shape, batch 1 | ms per step | x plain |", "|---|---|---|",
                   f"| plain decode | {verify['ms_per_step']['0']:.3f} | 1.00 |"]
         lines += [f"| verify {n} drafts | {verify['ms_per_step'][n]:.3f} | {ratio:.2f} |"
                   for n, ratio in verify["ratio_to_plain"].items()]
-    for row in record["methods"]:
-        if "draft_vs_target" in row:
-            d = row["draft_vs_target"]
-            lines += ["", f"EAGLE at batch 1 on the trained target: drafting {d['tree']:.3f} ms (tree) + "
-                          f"{d['extend']:.3f} ms (extend) per step against the target's {d['target']:.3f} ms."]
+        lines += ["", "Phases (ms per step, each between synchronisations): " + "; ".join(
+            f"{'plain' if n == '0' else 'verify ' + n}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "steps")
+            for n, p in verify.get("phases", {}).items())]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -289,6 +323,7 @@ def main(argv=None) -> int:
         record["verify_1b"] = verify_step_cost(folder)
         record["verify_1b"]["ms_per_step"] = {str(k): v for k, v in record["verify_1b"]["ms_per_step"].items()}
         record["verify_1b"]["ratio_to_plain"] = {str(k): v for k, v in record["verify_1b"]["ratio_to_plain"].items()}
+        record["verify_1b"]["phases"] = {str(k): v for k, v in record["verify_1b"]["phases"].items()}
     (args.out / "spec.json").write_text(json.dumps(record, indent=1))
     write_markdown(record, args.out / "spec.md")
     print((args.out / "spec.md").read_text())

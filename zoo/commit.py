@@ -32,8 +32,26 @@ class Committer:
             else:
                 rows = output.logits[row_ids]
             chosen = dict(zip(plain, self.sampler.select(rows, requests, TokenHistories(requests))))
-        return [self._advance(entry, offset, output.logits, rows, chosen.get(i))
-                for i, (entry, offset, rows) in enumerate(zip(batch.scheduled, batch.token_offsets, batch.logits_rows))]
+        self.greedy = self._greedy_draft_rows(batch, output.logits)
+        self.moves = ([], [])  # accepted drafts' K/V, (from, to) cache slots: one copy for the whole step
+        results = [self._advance(entry, offset, output.logits, rows, chosen.get(i))
+                   for i, (entry, offset, rows) in enumerate(zip(batch.scheduled, batch.token_offsets,
+                                                                  batch.logits_rows))]
+        self.engine.runner.kv.move_slots(*self.moves)
+        return results
+
+    def _greedy_draft_rows(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, list[int]]:
+        """The argmax of every logits row of each drafted plain-greedy request, in one op and one copy."""
+        drafted = [(e.request.request_id, rows) for e, rows in zip(batch.scheduled, batch.logits_rows)
+                   if e.samples and e.draft is not None and self.sampler.plain_greedy(e.request)]
+        if not drafted:
+            return {}
+        flat = [r for _, rows in drafted for r in rows]
+        tokens = logits[torch.tensor(flat, device=logits.device)].argmax(-1).tolist()
+        greedy, k = {}, 0
+        for request_id, rows in drafted:
+            greedy[request_id], k = tokens[k:k + len(rows)], k + len(rows)
+        return greedy
 
     def _advance(self, entry: ScheduledRequest, offset: int, logits: torch.Tensor, rows: list[int],
                  token: int | None) -> SequenceResult:
@@ -47,14 +65,16 @@ class Committer:
         if entry.draft is None:
             tokens, logits_rows = [token], [rows[0]]
         else:
-            accepted, token = verify(request, entry.draft, logits[rows], self.sampler, engine.decoding)
-            engine.stats.record_draft(max(entry.draft.depth(i) for i in range(len(entry.draft.tokens))),
-                                      len(accepted))
+            greedy = self.greedy.get(request.request_id)
+            accepted, token = verify(request, entry.draft, None if greedy else logits[rows], self.sampler,
+                                     engine.decoding, greedy)
+            engine.stats.record_draft(max(entry.draft.depths), len(accepted))
             tokens = [entry.draft.tokens[i] for i in accepted] + [token]
             logits_rows = [rows[0]] + [rows[1 + i] for i in accepted]
             first = entry.start + entry.num_tokens
-            engine.runner.kv.move_entries(request.block_ids, [first + i for i in accepted],
-                                          [first + m for m in range(len(accepted))])
+            kv = engine.runner.kv
+            self.moves[0].extend(kv.slots(request.block_ids, [first + i for i in accepted]))
+            self.moves[1].extend(kv.slots(request.block_ids, [first + m for m in range(len(accepted))]))
             request.num_computed_tokens = first + len(accepted)
             token_rows += [offset + entry.num_tokens + i for i in accepted]
         committed = []

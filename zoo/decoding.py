@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,11 +57,16 @@ class DraftBlock:
     def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "DraftBlock":
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs=probs)
 
+    @cached_property
+    def depths(self) -> list[int]:
+        """Each token's depth (1: a child of the last committed token); parents come first, so one pass."""
+        depths = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
     def depth(self, i: int) -> int:
-        d = 1
-        while self.parents[i] >= 0:
-            i, d = self.parents[i], d + 1
-        return d
+        return self.depths[i]
 
     def offset(self, i: int) -> int:
         return self.position_offsets[i] if self.position_offsets is not None else self.depth(i)
@@ -223,13 +229,24 @@ def fit_drafts(method: DecodingMethod, drafts: dict[int, DraftBlock], requests: 
 
 
 def verify(request: "Request", draft: DraftBlock, logits: torch.Tensor, sampler: "Sampler",
-           method: DecodingMethod | None = None) -> tuple[list[int], int]:
+           method: DecodingMethod | None = None, greedy: list[int] | None = None) -> tuple[list[int], int]:
     """``(accepted draft indices along one path, the next token after them)``.
 
     ``logits`` are ``[1 + len(draft), vocab]``: row 0 after the last committed
     token, row ``1 + i`` after draft token ``i``. A sampled request of a method
     with its own ``accept`` rule (Medusa's typical acceptance) is verified by it.
+    ``greedy``, when given, is the argmax of every row, taken for the whole step at
+    once (a greedy request with nothing to process): the walk then needs no device work.
     """
+    if greedy is not None:
+        accepted, node = [], -1
+        while True:
+            token = greedy[node + 1]
+            child = next((c for c in draft.children(node) if draft.tokens[c] == token), None)
+            if child is None:
+                return accepted, token
+            accepted.append(child)
+            node = child
     accepted, node, history = [], -1, list(request.token_ids)
     sampled = request.params.temperature > 0
     rejection = draft.probs is not None and sampled

@@ -56,17 +56,18 @@ class KVCache:
         for module in self.layers:
             module.kv_cache = None
 
-    def move_entries(self, block_ids: list[int], sources: list[int], targets: list[int]) -> None:
-        """Copy K/V of cache indices ``sources`` to ``targets`` in every layer (compacting accepted drafts)."""
+    def slots(self, block_ids: list[int], indices: list[int]) -> list[int]:
+        """Flat cache slots of a sequence's cache indices."""
+        bs = self.block_size
+        return [block_ids[i // bs] * bs + i % bs for i in indices]
+
+    def move_slots(self, sources: list[int], targets: list[int]) -> None:
+        """Copy K/V of slots ``sources`` to ``targets`` in every layer (compacting accepted drafts): all reads
+        happen before any write, so one call serves a whole step."""
         if not sources:
             return
-        bs = self.block_size
-
-        def slots(indices):
-            return torch.tensor([block_ids[i // bs] * bs + i % bs for i in indices], device=self.device)
-
         flat = self.tensor.view(self.tensor.shape[0], 2, -1, *self.tensor.shape[-2:])
-        flat[:, :, slots(targets)] = flat[:, :, slots(sources)]
+        flat[:, :, torch.tensor(targets, device=self.device)] = flat[:, :, torch.tensor(sources, device=self.device)]
 
 
 def plan_num_blocks(runtime, kv: KVCache, profile_step, useful_blocks: int) -> tuple[int, int | None]:

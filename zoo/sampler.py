@@ -19,6 +19,14 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
+        self.logits_hooks = bool(hooks.zoo_logits_process.get_hookimpls())
+
+    def plain_greedy(self, request: Request) -> bool:
+        """Greedy with nothing to apply to the logits: the raw argmax is the token, for every row of a step."""
+        params = request.params
+        return (params.temperature == 0 and params.repetition_penalty == 1.0 and not params.logit_bias
+                and request.num_tokens - len(request.prompt_token_ids) >= params.min_new_tokens
+                and not self.logits_hooks)
 
     def generator_for(self, request: Request) -> torch.Generator:
         if request.params.seed is None:
