@@ -36,7 +36,7 @@ from zoo.decoding import heads_folder
 from zoo.loader import load_module_weights
 from zoo.model import MLP, Attention, DecoderLayer, DenseCausal, RMSNorm
 from zoo.step import BufferSpec
-from zoo.step_inputs import StepLayout
+from zoo.step_inputs import StepLayout, padded_rows
 
 zoo_scope = Scope(option="decoding=eagle")
 WEIGHTS = "model.safetensors"
@@ -295,110 +295,97 @@ class Eagle(DecodingMethod):
                 ready.append(request)
         if not ready:
             return {}
+        return self._grow(ready)
+
+    def _grow(self, ready) -> dict[int, DraftBlock]:
+        """The tree grown on the device: each pass's inputs come from the last pass's top-k by tensor
+        operations, so nothing waits for the host until the finished tree is read once.
+
+        Node ids: the root's children 0..k-1, then pass ``p``'s candidates ``k + (p - 2) k^2 + j k + t``
+        (child ``t`` of frontier node ``j``). The frontier node ``j`` expanded in pass ``p`` writes its K/V
+        at cache index ``n + (p - 2) k + j`` and sees its ancestors' slots (``visible``, offsets from the
+        block's start at ``n - 1``, whose slot the draft leaves empty).
+        """
+        runner, k, device = self.engine.runner, self.top_k, self.engine.device
+        buffers, size_r = runner.buffers, len(ready)
+        n = torch.tensor([r.num_tokens for r in ready], device=device)
+        block_ids = [r.block_ids for r in ready]
+        num_blocks = max(len(b) for b in block_ids)
+        buffers["block_tables"][:size_r, :num_blocks].copy_(padded_rows(block_ids, num_blocks), non_blocking=True)
         roots = torch.stack([self.roots[r.request_id][1] for r in ready])
-        nodes = [[] for _ in ready]  # per request: [token, parent, score, depth, output feature or None, slot id]
-        best = self.draft.top_k(roots, self.top_k, self.engine.model.lm_head)
-        frontier = self._expand(nodes, [[(-1, 0.0)] for _ in ready], best, depth=1)
-        for depth in range(2, self.depth + 1):
-            groups, parent_features = [], []
-            for request, tree, chosen in zip(ready, nodes, frontier):
-                n, root = request.num_tokens, self.roots[request.request_id][1]
-                queries = []
-                for index in chosen:
-                    node = tree[index]
-                    node[5] = sum(1 for x in tree if x[5] is not None)
-                    sees = [tree[a][5] + 1 for a in self._path(tree, index)]
-                    queries.append((node[0], n + node[5], n - 2 + node[3], sees))
-                    parent_features.append(tree[node[1]][4] if node[1] >= 0 else root)
-                # The root's own slot (n - 1) holds nothing of the draft's yet: the block starts there.
-                groups.append((request, queries, n - 1))
-            outputs, *best = self._run(TREE, groups, torch.stack(parent_features))
-            expanded, k = [], 0
-            for tree, chosen in zip(nodes, frontier):
-                expanded.append([])
-                for index in chosen:
-                    tree[index][4] = outputs[k]
-                    expanded[-1].append((index, tree[index][2]))
-                    k += 1
-            frontier = self._expand(nodes, expanded, best, depth)
-        return {r.request_id: self._block(tree) for r, tree in zip(ready, nodes)}
+        best = self.draft.top_k(roots, k, self.engine.model.lm_head)
+        scores, tokens, parent_features = best.values, best.indices, roots[:, None].expand(-1, k, -1)
+        frontier = torch.arange(k, device=device).expand(size_r, k)
+        all_tokens, all_parents, all_scores = [tokens], [torch.full_like(tokens, -1)], [scores]
+        visible = torch.zeros(size_r, k, buffers["draft_visible"].shape[1], dtype=torch.int8, device=device)
+        columns = torch.arange(k, device=device)
+        size = runner.pass_size(TREE, [k] * size_r)
+        for p in range(2, self.depth + 1):
+            visible[:, columns, (p - 2) * k + columns + 1] = 1
+            cache_index = n[:, None] + (p - 2) * k + columns  # [R, k]
+            self._write_tree_pass(cache_index, (n - 3 + p)[:, None].expand(-1, k), tokens, visible,
+                                  parent_features, n + (p - 1) * k, n - 1)
+            outputs, values, indices = runner.run_written_pass(TREE, size_r * k, size_r, k, num_blocks, True, size)
+            hidden = outputs[:size_r * k].view(size_r, k, -1)
+            candidates = (scores[:, :, None] + values[:size_r * k].view(size_r, k, k)).flatten(1)
+            children = indices[:size_r * k].view(size_r, k * k)
+            all_tokens.append(children)
+            all_parents.append(frontier[:, :, None].expand(-1, -1, k).flatten(1))
+            all_scores.append(candidates)
+            scores, chosen = candidates.topk(k, dim=-1)
+            parent = torch.div(chosen, k, rounding_mode="floor")
+            frontier = k + (p - 2) * k * k + chosen
+            tokens = children.gather(1, chosen)
+            parent_features = hidden.gather(1, parent[..., None].expand(-1, -1, hidden.shape[-1]))
+            visible = visible.gather(1, parent[..., None].expand(-1, -1, visible.shape[-1]))
+        # Only the likeliest nodes can enter the block (a child is never likelier than its parent): read those.
+        node_scores = torch.cat(all_scores, dim=1)
+        keep = min(node_scores.shape[1], self.max_draft_tokens + k)
+        top_scores, top_ids = node_scores.topk(keep, dim=-1)
+        picked = torch.stack([top_ids.double(), torch.cat(all_tokens, 1).gather(1, top_ids).double(),
+                              torch.cat(all_parents, 1).gather(1, top_ids).double(), top_scores.double()])
+        ids, toks, parents, values = picked.tolist()
+        return {r.request_id: self._block({int(i): [int(t), int(a), v, self._node_depth(int(i))]
+                                           for i, t, a, v in zip(ids[b], toks[b], parents[b], values[b])})
+                for b, r in enumerate(ready)}
 
-    def _expand(self, nodes, parents, best, depth: int) -> list[list[int]]:
-        """Children of each request's parents (index, score): the top_k likeliest tokens of each (``best``:
-        log-probabilities and token ids, one row per parent); returns the indices of the top_k best new nodes
-        per request (the next frontier)."""
-        scores, tokens = best[0].tolist(), best[1].tolist()
-        frontier, k = [], 0
-        for tree, group in zip(nodes, parents):
-            start = len(tree)
-            for parent, score in group:
-                for token, logprob in zip(tokens[k], scores[k]):
-                    tree.append([token, parent, score + logprob, depth, None, None])
-                k += 1
-            frontier.append(sorted(range(start, len(tree)), key=lambda i: -tree[i][2])[:self.top_k])
-        return frontier
+    def _node_depth(self, node: int) -> int:
+        return 1 if node < self.top_k else 2 + (node - self.top_k) // (self.top_k * self.top_k)
 
-    @staticmethod
-    def _path(tree, index: int) -> list[int]:
-        path = []
-        while index >= 0:
-            path.append(index)
-            index = tree[index][1]
-        return path
+    def _write_tree_pass(self, cache_index, positions, tokens, visible, features, context_lens, draft_start):
+        """One tree pass's inputs, written into the step buffers by device operations."""
+        runner = self.engine.runner
+        buffers, bs = runner.buffers, runner.block_size
+        size_r, k = cache_index.shape
+        count = size_r * k
+        blocks = buffers["block_tables"][:size_r].gather(1, torch.div(cache_index, bs, rounding_mode="floor"))
+        buffers["input_ids"][:count] = tokens.flatten()
+        buffers["positions"][0, :count] = positions.flatten()
+        buffers["slot_mapping"][:count] = (blocks * bs + cache_index % bs).flatten()
+        buffers["token_seq"][:count] = torch.arange(size_r, device=cache_index.device).repeat_interleave(k)
+        buffers["token_query_index"][:count] = torch.arange(k, device=cache_index.device).repeat(size_r)
+        buffers["token_cache_index"][:count] = cache_index.flatten()
+        buffers["query_cache_index"][:size_r, :k] = cache_index
+        if "query_index_in_sequence" in buffers:
+            buffers["query_index_in_sequence"][:size_r, :k] = positions
+        buffers["context_lens"][:size_r] = context_lens
+        buffers["draft_start"][:size_r] = draft_start
+        buffers["draft_visible"][:count] = visible.flatten(0, 1)
+        buffers[DRAFT_FEATURES][:count] = features.flatten(0, 1)
 
-    def _block(self, tree) -> DraftBlock:
-        """The likeliest nodes (a parent is at least as likely as its child), parents first."""
+    def _block(self, nodes: dict[int, list]) -> DraftBlock:
+        """The likeliest nodes (``id -> [token, parent id, score, depth]``), each kept only after its parent,
+        laid out parents first."""
         chosen, kept = [], set()
-        for i in sorted(range(len(tree)), key=lambda i: (-tree[i][2], tree[i][3])):
+        for i in sorted(nodes, key=lambda i: (-nodes[i][2], nodes[i][3], i)):
             if len(chosen) == self.max_draft_tokens:
                 break
-            if tree[i][1] < 0 or tree[i][1] in kept:
+            if nodes[i][1] < 0 or nodes[i][1] in kept:
                 chosen.append(i)
                 kept.add(i)
-        chosen.sort(key=lambda i: (tree[i][3], i))
+        chosen.sort(key=lambda i: (nodes[i][3], i))
         index = {old: new for new, old in enumerate(chosen)}
-        return DraftBlock([tree[i][0] for i in chosen], [index.get(tree[i][1], -1) for i in chosen])
-
-
-class EagleTrainer(HeadsTrainer):
-    """EAGLE's objective, teacher-forced over whole sequences: the output for pair (feature j, token j + 1)
-    regresses the target's feature j + 1 (smooth L1) and its next-token distribution (soft cross-entropy
-    through the target's LM head, weight 0.1)."""
-
-    def __init__(self, draft: EagleDraft, model, desc):
-        self.module = draft.to(model.lm_head.weight.device, torch.float32).train()
-        self.model, self.desc = model, desc
-        self.lm_head = model.lm_head.weight.detach().float()
-
-    def loss(self, tokens, features):
-        batch, pairs = tokens.shape[0], tokens.shape[1] - 2  # pair j needs feature j + 1: j = 0..L-3
-        features = features.float()
-        positions = torch.arange(pairs, device=tokens.device).repeat(batch)[None]
-        model = self.model.model
-        embeds = model.embed_tokens(tokens[:, 1:pairs + 1]).float().flatten(0, 1)
-        rope = (model.rotary, model.rotary.prepare(positions, torch.float32))
-        with forward_context(ForwardContext(DenseCausal(batch), {}, None)):
-            out = self.module(embeds, features[:, :pairs].flatten(0, 1), rope)
-        target = features[:, 1:pairs + 1].flatten(0, 1)
-        regression = nn.functional.smooth_l1_loss(out, target)
-        with torch.no_grad():
-            target_probs = torch.softmax(target @ self.lm_head.T, dim=-1)
-        classification = -(target_probs * torch.log_softmax(out @ self.lm_head.T, dim=-1)).sum(-1).mean()
-        return regression + 0.1 * classification
-
-    def save(self, folder, dtype) -> None:
-        from safetensors.torch import save_file
-
-        folder, desc = Path(folder), self.desc
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {name.replace("layer.", "layers.0.", 1): value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype).contiguous()
-                   for name, value in self.module.state_dict().items()}
-        save_file(tensors, str(folder / WEIGHTS))
-        (folder / "config.json").write_text(json.dumps({
-            "architectures": ["LlamaForCausalLM"], "hidden_size": desc.hidden_size,
-            "intermediate_size": desc.intermediate_size, "num_attention_heads": desc.num_heads,
-            "num_key_value_heads": desc.num_kv_heads, "num_hidden_layers": 1, "rms_norm_eps": desc.norm_eps,
-            "vocab_size": desc.vocab_size, "hidden_act": "silu", "bias": True}, indent=1))
+        return DraftBlock([nodes[i][0] for i in chosen], [index.get(nodes[i][1], -1) for i in chosen])
 
 
 @hookimpl

@@ -296,3 +296,69 @@ def test_eagle_under_sampling_keeps_the_target_distribution(checkpoints, eagle_h
     # acceptance rule itself (the core's, EAGLE proposes no probabilities) accepts often in test_medusa's and
     # test_speculative's chi-square tests.
     assert llm.engine.draft_failures == 0 and llm.engine.stats.drafted_depth[0] > 0
+
+
+def reference_tree(method, ready) -> dict:
+    """EAGLE-2's tree grown the plain way, one node at a time on the host (each pass through ``method._run``)."""
+    k, lm_head = method.top_k, method.engine.model.lm_head
+    nodes = [[] for _ in ready]  # per request: [token, parent, score, depth, output, slot]
+
+    def expand(parents, best, depth):
+        scores, tokens = best[0].tolist(), best[1].tolist()
+        frontier, row = [], 0
+        for tree, group in zip(nodes, parents):
+            start = len(tree)
+            for parent, score in group:
+                for token, logprob in zip(tokens[row], scores[row]):
+                    tree.append([token, parent, score + logprob, depth, None, None])
+                row += 1
+            frontier.append(sorted(range(start, len(tree)), key=lambda i: -tree[i][2])[:k])
+        return frontier
+
+    def path(tree, i):
+        while i >= 0:
+            yield i
+            i = tree[i][1]
+
+    roots = [method.roots[r.request_id][1] for r in ready]
+    frontier = expand([[(-1, 0.0)] for _ in ready], method.draft.top_k(torch.stack(roots), k, lm_head), 1)
+    for depth in range(2, method.depth + 1):
+        groups, features = [], []
+        for request, tree, chosen, root in zip(ready, nodes, frontier, roots):
+            n, queries = request.num_tokens, []
+            for i in chosen:
+                tree[i][5] = sum(1 for x in tree if x[5] is not None)
+                queries.append((tree[i][0], n + tree[i][5], n - 2 + tree[i][3], [tree[a][5] + 1 for a in path(tree, i)]))
+                features.append(tree[tree[i][1]][4] if tree[i][1] >= 0 else root)
+            groups.append((request, queries, n - 1))
+        outputs, *best = method._run("eagle_tree", groups, torch.stack(features))
+        expanded, row = [], 0
+        for tree, chosen in zip(nodes, frontier):
+            expanded.append([])
+            for i in chosen:
+                tree[i][4] = outputs[row]
+                expanded[-1].append((i, tree[i][2]))
+                row += 1
+        frontier = expand(expanded, best, depth)
+    return {r.request_id: method._block({i: node[:4] for i, node in enumerate(tree)}) for r, tree in zip(ready, nodes)}
+
+
+def test_the_device_grown_tree_equals_the_host_grown_one():
+    """The shipped default with its trained draft: every step's trees, batched, equal the plain construction."""
+    llm = LLM(decoding="eagle", overrides=["decoding.top_k=4", "decoding.depth=4", "decoding.total_tokens=24"])
+    method, compared = llm.engine.decoding, []
+    grow = method._grow
+
+    def grow_and_compare(ready):
+        blocks = grow(ready)
+        expected = reference_tree(method, ready)
+        compared.append(len(ready))
+        for request_id, block in blocks.items():
+            assert (block.tokens, block.parents) == (expected[request_id].tokens, expected[request_id].parents)
+        return blocks
+
+    method._grow = grow_and_compare
+    prompts = ["def main():", "import os\n", "class Parser:\n    def __init__(self", "x = [", "    return self."]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in LLM().generate(prompts, params)]
+    assert len(compared) >= 3 and max(compared) == len(prompts)

@@ -188,14 +188,19 @@ class ModelRunner:
         """A plugin's pass (:meth:`zoo.engine_setup.EngineSetup.add_graph_pass`) over a laid-out step: the
         graph of ``size`` replays (its sequences padded to the stride), else the body runs eagerly."""
         max_query, num_blocks = layout.write(self.buffers, block_ids)
+        return self.run_written_pass(family, len(layout.input_ids), len(block_ids), max_query, num_blocks,
+                                     layout.has_drafts, size)
+
+    @torch.inference_mode()
+    def run_written_pass(self, family: str, num_tokens: int, num_seqs: int, max_query: int, num_blocks: int,
+                         has_drafts: bool, size: int | None) -> tuple:
+        """:meth:`run_pass` over buffers the plugin has already filled (on the device, without a layout)."""
         if size is not None:
-            self.graphs.pad_rows(len(block_ids), size, self.graphs.families[family].stride)
+            self.graphs.pad_rows(num_seqs, size, self.graphs.families[family].stride)
             return self.graphs.replay(family, size)
-        num_tokens = len(layout.input_ids)
         use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
-        meta = self.attention_metadata(num_tokens, len(block_ids), max_query, num_blocks, layout.has_drafts,
-                                       use_kernel)
-        buffers = self.step_buffers({"token": num_tokens, "seq": len(block_ids)})
+        meta = self.attention_metadata(num_tokens, num_seqs, max_query, num_blocks, has_drafts, use_kernel)
+        buffers = self.step_buffers({"token": num_tokens, "seq": num_seqs})
         return self.graphs.families[family].body(ForwardContext(meta, buffers, None))
 
     def run_full_step(self) -> None:
