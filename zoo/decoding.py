@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +29,28 @@ from zoo.errors import ZooError
 if TYPE_CHECKING:
     from zoo.request import Request
     from zoo.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What a tree's parent list implies, worked out once per distinct shape (a static tree repeats every step)."""
+
+    depths: tuple[int, ...]
+    ancestors: tuple[tuple[int, ...], ...]  # root to node, inclusive
+    children: dict[int, list[int]]
+    visible_pairs: tuple[torch.Tensor, torch.Tensor]  # (token, ancestor) index pairs, CPU int64
+
+
+@lru_cache(maxsize=4096)
+def tree_shape(parents: tuple[int, ...]) -> TreeShape:
+    depths, ancestors, children = [], [], {}
+    for i, parent in enumerate(parents):  # parents come before children
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        ancestors.append((ancestors[parent] if parent >= 0 else ()) + (i,))
+        children.setdefault(parent, []).append(i)
+    rows = torch.tensor([i for i, path in enumerate(ancestors) for _ in path], dtype=torch.int64)
+    columns = torch.tensor([a for path in ancestors for a in path], dtype=torch.int64)
+    return TreeShape(tuple(depths), tuple(ancestors), children, (rows, columns))
 
 
 @dataclass
@@ -58,26 +80,23 @@ class DraftBlock:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs=probs)
 
     @cached_property
-    def depths(self) -> list[int]:
-        """Each token's depth (1: a child of the last committed token); parents come first, so one pass."""
-        depths = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return depths
+    def shape(self) -> TreeShape:
+        return tree_shape(tuple(self.parents))
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """Each token's depth (1: a child of the last committed token)."""
+        return self.shape.depths
 
     def depth(self, i: int) -> int:
-        return self.depths[i]
+        return self.shape.depths[i]
 
     def offset(self, i: int) -> int:
         return self.position_offsets[i] if self.position_offsets is not None else self.depth(i)
 
     def ancestors(self, i: int) -> list[int]:
         """Draft indices on the path from the root to ``i``, inclusive."""
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = self.parents[i]
-        return path[::-1]
+        return list(self.shape.ancestors[i])
 
     def visible(self, i: int) -> list[int]:
         """The draft tokens token ``i`` attends to (itself included)."""
@@ -85,8 +104,9 @@ class DraftBlock:
 
     def children(self, node: int) -> list[int]:
         """The tokens after ``node`` that may be accepted (those that see exactly their ancestors)."""
-        return [i for i, p in enumerate(self.parents)
-                if p == node and (self.sees is None or self.visible(i) == self.ancestors(i))]
+        if self.sees is None:
+            return self.shape.children.get(node, [])
+        return [i for i in self.shape.children.get(node, []) if self.visible(i) == self.ancestors(i)]
 
     def first(self, n: int) -> "DraftBlock | None":
         """The first ``n`` tokens (a tree still: parents come first), or None when ``n`` < 1."""

@@ -51,6 +51,7 @@ class StepLayout:
         self.context_lens: list[int] = []
         self.draft_starts: list[int] = []
         self.draft_visible: list[tuple[int, int]] = []  # (token row, draft index) pairs a draft token sees
+        self.visible_blocks: list[tuple[int, tuple]] = []  # (first row, a tree's (token, ancestor) pairs)
         self.has_drafts = False
 
     def add_decode_token(self, b: int, entry: ScheduledRequest) -> None:
@@ -83,9 +84,12 @@ class StepLayout:
             tokens += draft.tokens
             cache_index += range(first_draft, first_draft + len(draft.tokens))
             position_index += [request.num_tokens - 1 + draft.offset(i) for i in range(len(draft.tokens))]
-            for i in range(len(draft.tokens)):
-                row = first_row + entry.num_tokens + i
-                self.draft_visible += [(row, a) for a in draft.visible(i)]
+            first_draft_row = first_row + entry.num_tokens
+            if draft.sees is None:  # a tree: its shape's pairs, shifted to this block's rows
+                self.visible_blocks.append((first_draft_row, draft.shape.visible_pairs))
+            else:
+                for i in range(len(draft.tokens)):
+                    self.draft_visible += [(first_draft_row + i, a) for a in draft.visible(i)]
         for row, values in zip(self.positions, positions_of(request, position_index)):
             row.extend(values)
         if entry.samples:  # the last committed token and every draft token give logits
@@ -140,8 +144,14 @@ class StepLayout:
         if self.has_drafts:
             visible = buffers["draft_visible"]
             visible[:len(self.input_ids)].zero_()
-            rows, columns = zip(*self.draft_visible)
-            visible[int64_tensor(rows).to(visible.device), int64_tensor(columns).to(visible.device)] = 1
+            rows = [pairs[0] + first for first, pairs in self.visible_blocks]
+            columns = [pairs[1] for _, pairs in self.visible_blocks]
+            if self.draft_visible:
+                pair_rows, pair_columns = zip(*self.draft_visible)
+                rows.append(int64_tensor(pair_rows))
+                columns.append(int64_tensor(pair_columns))
+            visible[torch.cat(rows).to(visible.device, non_blocking=True),
+                    torch.cat(columns).to(visible.device, non_blocking=True)] = 1
         max_query = max(len(r) for r in self.visible_rows)
         num_blocks = max(len(b) for b in block_ids)
         num_seqs = len(block_ids)
