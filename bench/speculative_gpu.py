@@ -109,10 +109,13 @@ def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dic
         overrides = [f"decoding.heads={heads[method]}"] if method in heads else []
         llm = LLM(str(target), decoding=method, overrides=overrides, dtype=DTYPE, enable_prefix_caching=False,
                   max_num_seqs=max(BATCHES))  # no graphs captured for batches never run
-        for batch in BATCHES:
+        limit = llm.engine.draft_batch_limit
+        for batch, always in [(b, False) for b in BATCHES] + ([(max(BATCHES), True)] if method != "none" else []):
+            # The last row drafts even above decoding.disable_by_batch_size: what the policy saves.
+            llm.engine.draft_batch_limit = 1 << 62 if always else limit
             tok_s, tokens, stats = measure(llm, prompts[:batch], new_tokens)
             accepted = stats.accepted_depth + [0] * len(stats.drafted_depth)
-            row = {"method": method, "batch": batch, "tok_s": round(tok_s, 1),
+            row = {"method": method + (" (always drafting)" if always else ""), "batch": batch, "tok_s": round(tok_s, 1),
                    "accepted_length": round(stats.generated_tokens / max(stats.token_steps, 1), 3),
                    "acceptance_by_depth": [round(a / n, 3) for n, a in zip(stats.drafted_depth, accepted) if n]}
             if method == "none":
@@ -123,7 +126,7 @@ def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dic
             row["parted_at_near_tie"] = parted_at_near_tie(plain[batch][2], tokens)
             row["ms_per_step"] = phase_profile(llm, prompts[:batch], new_tokens)
             rows.append(row)
-            log(f"{method:9} batch {batch:3}: {tok_s:9.1f} tok/s  x{row['speedup']:.2f}  accepted "
+            log(f"{row['method']:9} batch {batch:3}: {tok_s:9.1f} tok/s  x{row['speedup']:.2f}  accepted "
                 f"{row['accepted_length']:.2f}  identical {row['identical_sequences']}/{batch}")
         del llm
         torch.cuda.empty_cache()

@@ -388,6 +388,47 @@ class Eagle(DecodingMethod):
         return DraftBlock([nodes[i][0] for i in chosen], [index.get(nodes[i][1], -1) for i in chosen])
 
 
+class EagleTrainer(HeadsTrainer):
+    """EAGLE's objective, teacher-forced over whole sequences: the output for pair (feature j, token j + 1)
+    regresses the target's feature j + 1 (smooth L1) and its next-token distribution (soft cross-entropy
+    through the target's LM head, weight 0.1)."""
+
+    def __init__(self, draft: EagleDraft, model, desc):
+        self.module = draft.to(model.lm_head.weight.device, torch.float32).train()
+        self.model, self.desc = model, desc
+        self.lm_head = model.lm_head.weight.detach().float()
+
+    def loss(self, tokens, features):
+        batch, pairs = tokens.shape[0], tokens.shape[1] - 2  # pair j needs feature j + 1: j = 0..L-3
+        features = features.float()
+        positions = torch.arange(pairs, device=tokens.device).repeat(batch)[None]
+        model = self.model.model
+        embeds = model.embed_tokens(tokens[:, 1:pairs + 1]).float().flatten(0, 1)
+        rope = (model.rotary, model.rotary.prepare(positions, torch.float32))
+        with forward_context(ForwardContext(DenseCausal(batch), {}, None)):
+            out = self.module(embeds, features[:, :pairs].flatten(0, 1), rope)
+        target = features[:, 1:pairs + 1].flatten(0, 1)
+        regression = nn.functional.smooth_l1_loss(out, target)
+        with torch.no_grad():
+            target_probs = torch.softmax(target @ self.lm_head.T, dim=-1)
+        classification = -(target_probs * torch.log_softmax(out @ self.lm_head.T, dim=-1)).sum(-1).mean()
+        return regression + 0.1 * classification
+
+    def save(self, folder, dtype) -> None:
+        from safetensors.torch import save_file
+
+        folder, desc = Path(folder), self.desc
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {name.replace("layer.", "layers.0.", 1): value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype).contiguous()
+                   for name, value in self.module.state_dict().items()}
+        save_file(tensors, str(folder / WEIGHTS))
+        (folder / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": desc.hidden_size,
+            "intermediate_size": desc.intermediate_size, "num_attention_heads": desc.num_heads,
+            "num_key_value_heads": desc.num_kv_heads, "num_hidden_layers": 1, "rms_norm_eps": desc.norm_eps,
+            "vocab_size": desc.vocab_size, "hidden_act": "silu", "bias": True}, indent=1))
+
+
 @hookimpl
 def zoo_decoding_methods():
     return {"eagle": Eagle}

@@ -289,7 +289,8 @@ def test_eagle_under_sampling_keeps_the_target_distribution(checkpoints, eagle_h
 
     folder, model = checkpoints["llama"]
     llm = LLM(str(folder), decoding="eagle", overrides=[f"decoding.heads={eagle_heads[0]}", "decoding.top_k=3",
-                                                         "decoding.depth=2", "decoding.total_tokens=8"],
+                                                         "decoding.depth=2", "decoding.total_tokens=8",
+                                                         "decoding.disable_by_batch_size=null"],
               max_num_seqs=64, max_num_batched_tokens=1024)
     assert_three_sampled_tokens_follow_the_target(llm, model, prompt_set()[0])
     # Random draft weights are rarely right, so this shows the verified trees leave sampling exact; the

@@ -77,7 +77,8 @@ def test_bad_lookahead_settings_are_one_line(tmp_path, overrides, message):
 
 def test_lookahead_under_sampling_keeps_the_target_distribution(checkpoints):
     folder, model = checkpoints["llama"]
-    llm = LLM(str(folder), decoding="lookahead", overrides=["decoding.window=3", "decoding.ngram=3"],
+    llm = LLM(str(folder), decoding="lookahead", overrides=["decoding.window=3", "decoding.ngram=3",
+                                                             "decoding.disable_by_batch_size=null"],
               max_num_seqs=64, max_num_batched_tokens=1024)
     assert_three_sampled_tokens_follow_the_target(llm, model, prompt_set()[0])
     assert llm.engine.stats.accepted_depth and llm.engine.stats.accepted_depth[0] > 0

@@ -76,7 +76,8 @@ def test_medusa_on_other_architectures(checkpoints, name):
 
 def test_medusa_under_sampling_keeps_the_target_distribution(checkpoints):
     folder, model = checkpoints["llama"]
-    llm = LLM(str(folder), decoding="medusa", overrides=["decoding.tree=[[0],[1],[2],[0,0],[1,0],[0,0,0]]"],
+    llm = LLM(str(folder), decoding="medusa", overrides=["decoding.tree=[[0],[1],[2],[0,0],[1,0],[0,0,0]]",
+                                                          "decoding.disable_by_batch_size=null"],
               max_num_seqs=64, max_num_batched_tokens=1024)
     assert_three_sampled_tokens_follow_the_target(llm, model, prompt_set()[0])
     assert llm.engine.stats.accepted_depth[0] > 0  # drafts were accepted, so acceptance was exercised
