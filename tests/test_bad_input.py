@@ -159,6 +159,6 @@ def test_request_too_big_for_cache_is_rejected(checkpoints):
 def test_prompt_text_reaches_the_engine_as_typed(prompt):
     """`prompt="def main():"` is plain text to the shell user; Hydra's grammar would choke on the parentheses."""
     from zoo.config import compose_config
-    from zoo.run import quote_free_text
+    from zoo.config import quote_free_text
 
     assert compose_config(quote_free_text([f"prompt={prompt}"])).prompt == prompt

@@ -67,11 +67,13 @@ def test_repetition_penalty_matches_transformers():
     history = [3, 7, 7, 21, 49]
     request = Request(0, history, SamplingParams(repetition_penalty=1.3))
 
-    class NoHooks:
-        def zoo_logits_process(self, **kwargs):
-            return []
+    import pluggy
 
-    sampler = Sampler(NoHooks(), None, 0, torch.device("cpu"), eos_token_ids=[])
+    from zoo import hookspecs
+
+    no_plugins = pluggy.PluginManager("zoo")
+    no_plugins.add_hookspecs(hookspecs)
+    sampler = Sampler(no_plugins.hook, None, 0, torch.device("cpu"), eos_token_ids=[])
     ours = sampler.process(logits[None], [request], [history])[0]
     theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), logits[None].clone())[0]
     torch.testing.assert_close(ours, theirs)

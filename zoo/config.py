@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
@@ -50,3 +53,37 @@ def check_group_options(argv: list[str]) -> None:
 
 def to_plain(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+FREE_TEXT_KEYS = ("prompt",)  # values people type as plain text: `prompt="def main():"` must just work
+
+
+def quote_free_text(argv: list[str]) -> list[str]:
+    """Quote free-text values for Hydra's override grammar, which reads ``(``, ``:``, ``[`` and such."""
+    quoted = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in FREE_TEXT_KEYS and not (value[:1] in "'\"" and value[-1:] == value[:1]
+                                                                and len(value) > 1):
+            # Hydra's quoted strings escape quotes and the backslashes right before them.
+            escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+            escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped).replace("${", "\\${")  # no interpolation
+            arg = f"{key}='{escaped}'"
+        quoted.append(arg)
+    return quoted
+
+
+def cli_main(hydra_main) -> None:
+    """A command's entry: free text quoted, group options checked (one line and exit 2 if unknown), then Hydra."""
+    sys.argv[1:] = quote_free_text(sys.argv[1:])
+    exit_on_error(lambda: (register_plugin_configs(), check_group_options(sys.argv[1:])))
+    hydra_main()
+
+
+def exit_on_error(call):
+    """``call()``'s result; a ZooError becomes one ``error:`` line on stderr and exit status 2."""
+    try:
+        return call()
+    except ZooError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -25,6 +25,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from zoo.config import cli_main, exit_on_error
 from zoo.engine_setup import DTYPES
 from zoo.errors import ZooError
 from zoo.forward_context import ForwardContext, forward_context
@@ -194,11 +195,7 @@ def save_checkpoint(model: DecoderModel, config: dict, tokenizer, folder: Path, 
 @hydra.main(config_path="pkg://zoo_conf", config_name="pretrain", version_base=None)
 def _main(cfg: DictConfig) -> None:
     OmegaConf.set_struct(cfg, True)
-    try:
-        folder = pretrain(cfg)
-    except ZooError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    folder = exit_on_error(lambda: pretrain(cfg))
     from zoo import LLM, SamplingParams
 
     out = LLM(str(folder), dtype="float32").generate([str(cfg.sample_prompt)],
@@ -206,5 +203,9 @@ def _main(cfg: DictConfig) -> None:
     print(f"sample: {cfg.sample_prompt}{out.text}")
 
 
+def main() -> None:
+    cli_main(_main)
+
+
 if __name__ == "__main__":
-    _main()
+    main()

@@ -7,36 +7,41 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.config import check_group_options, register_plugin_configs
+from zoo.config import cli_main
 from zoo.errors import ZooError
 from zoo.llm import LLM
+
+
+def read_jsonl(path: Path, key: str) -> list[dict]:
+    """Each non-blank line's JSON object; a line that is not one becomes ``{"_error": message}``."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ZooError(f"cannot read {key}={path}: {exc.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            record = {"_error": f"line {number} of {path} is not valid JSON: {exc.msg}"}
+        if not isinstance(record, dict):
+            record = {"_error": f"line {number} of {path} must be a JSON object"}
+        records.append(record)
+    return records
 
 
 def read_requests(cfg: DictConfig) -> list:
     if cfg.input.file:
         path = Path(cfg.input.file)
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as exc:
-            raise ZooError(f"cannot read input.file={path}: {exc.strerror}") from None
-        records = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                record = {"_error": f"line {number} of {path} is not valid JSON: {exc.msg}"}
-            if not isinstance(record, dict):
-                record = {"_error": f"line {number} of {path} must be a JSON object"}
-            records.append(record)
+        records = read_jsonl(path, "input.file")
         if not records:
             raise ZooError(f"input.file={path} holds no requests")
         return records
@@ -79,33 +84,8 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(status)
 
 
-FREE_TEXT_KEYS = ("prompt",)  # values people type as plain text: `prompt="def main():"` must just work
-
-
-def quote_free_text(argv: list[str]) -> list[str]:
-    """Quote free-text values for Hydra's override grammar, which reads ``(``, ``:``, ``[`` and such."""
-    quoted = []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in FREE_TEXT_KEYS and not (value[:1] in "'\"" and value[-1:] == value[:1]
-                                                                and len(value) > 1):
-            # Hydra's quoted strings escape quotes and the backslashes right before them.
-            escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
-            escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped).replace("${", "\\${")  # no interpolation
-            arg = f"{key}='{escaped}'"
-        quoted.append(arg)
-    return quoted
-
-
 def main() -> None:
-    sys.argv[1:] = quote_free_text(sys.argv[1:])
-    try:
-        register_plugin_configs()
-        check_group_options(sys.argv[1:])
-    except ZooError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    _main()
+    cli_main(_main)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.config import check_group_options, register_plugin_configs
+from zoo.config import cli_main, exit_on_error
 from zoo.decoding import HeadsTrainer
 from zoo.engine_setup import DTYPES
 from zoo.errors import ZooError
 from zoo.llm import LLM
 from zoo.plugins import hookimpl, load_plugins, registered_names
+from zoo.run import read_jsonl
 from zoo.sampling_params import SamplingParams
 
 HEADS_MARKERS = ("config.json", "model.safetensors", "medusa_lm_head.safetensors", "train_log.json", "loss.png")
@@ -77,21 +78,12 @@ def out_folder(value) -> Path:
 
 def read_prompts(path) -> list[dict]:
     path = Path(str(path)).expanduser()
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ZooError(f"cannot read train.prompts={path}: {exc.strerror}") from None
     prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ZooError(f"train.prompts={path}, line {number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not ("prompt" in record or "prompt_ids" in record):
-            raise ZooError(f"train.prompts={path}, line {number}: expected {{\"prompt\": ...}} or "
-                           "{\"prompt_ids\": [...]}")
+    for record in read_jsonl(path, "train.prompts"):
+        if "_error" in record:
+            raise ZooError(f"train.prompts: {record['_error']}")
+        if not ("prompt" in record or "prompt_ids" in record):
+            raise ZooError(f"train.prompts={path}: a record without \"prompt\" or \"prompt_ids\": {record}")
         prompts.append({k: record[k] for k in ("prompt", "prompt_ids") if k in record})
     if not prompts:
         raise ZooError(f"train.prompts={path} holds no prompts")
@@ -239,23 +231,13 @@ def plot_loss(log: list[dict], path: Path, method: str) -> None:
 @hydra.main(config_path="pkg://zoo_conf", config_name="train", version_base=None)
 def _main(cfg: DictConfig) -> None:
     OmegaConf.set_struct(cfg, True)
-    try:
-        report = train(cfg)
-    except ZooError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    report = exit_on_error(lambda: train(cfg))
     print(f"saved {cfg.train.out} ({report['steps']} steps); use it with decoding={cfg.decoding.name} "
           f"decoding.heads={cfg.train.out}", file=sys.stderr)
 
 
 def main() -> None:
-    try:
-        register_plugin_configs()
-        check_group_options(sys.argv[1:])
-    except ZooError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    _main()
+    cli_main(_main)
 
 
 if __name__ == "__main__":
