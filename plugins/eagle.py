@@ -257,6 +257,11 @@ class Eagle(DecodingMethod):
     @hookimpl
     def zoo_step_results(self, results):
         """Run the pairs (feature at j, token j + 1) of every position the step kept through the draft."""
+        if sum(1 for seq in results.sequences if seq.new_tokens) > self.engine.draft_batch_limit:
+            # Under load the engine drafts nothing (decoding.disable_by_batch_size): following the target's
+            # cache would cost every step for nothing, so the draft stops, and these requests decode plainly.
+            self.roots.clear()
+            return
         groups, rows, last = [], [], []
         for seq in results.sequences:
             request = seq.request

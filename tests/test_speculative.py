@@ -334,13 +334,14 @@ def test_a_failing_draft_method_never_changes_a_token(llama, capfd):
            "memory)" in capfd.readouterr().err
 
 
-def test_drafting_stops_above_disable_by_batch_size():
+@pytest.mark.parametrize("method", ["medusa", "eagle", "lookahead"])
+def test_drafting_stops_above_disable_by_batch_size(method):
     """vLLM's policy: with more decoding requests than the limit a step drafts nothing, and tokens stay exact."""
     prompts = ["def main():", "import os", "class A:", "x = ["]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = LLM().generate(prompts, params)
     for limit, drafts in ((3, False), (4, True)):
-        llm = LLM(decoding="medusa", overrides=[f"decoding.disable_by_batch_size={limit}"])
+        llm = LLM(decoding=method, overrides=[f"decoding.disable_by_batch_size={limit}"])
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
         assert bool(llm.engine.stats.drafted_depth) == drafts
 
