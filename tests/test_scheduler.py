@@ -569,3 +569,16 @@ def test_random_workloads_exercise_preemption_prefix_hits_and_drafts():
     assert sum(d.accepted_drafts for d in drivers) >= 10
     assert sum(r.bidirectional_prefix > 0 for d in drivers for r in d.finished) >= 10
     assert sum(len(d.steps) for d in drivers) >= 1000
+
+
+def test_every_decoding_request_gets_its_token_before_drafts_share_the_rest():
+    """Drafts never crowd a decoding request out of a step: its own token is reserved first."""
+    driver = Driver(num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    requests = [driver.add(i, [i + 1, i + 2], max_new_tokens=5) for i in range(4)]
+    driver.step()  # the four prompts: 8 tokens, and each request's first token
+    assert driver.scheduler.decoding_requests() == requests
+    drafts = {r.request_id: DraftBlock.chain([9] * 6) for r in requests}
+    scheduled = driver.step(drafts)
+    assert [e.request.request_id for e in scheduled] == [0, 1, 2, 3]
+    # 8 tokens: 4 own tokens, and the first request's draft takes the 4 left.
+    assert [len(e.draft.tokens) if e.draft else 0 for e in scheduled] == [4, 0, 0, 0]

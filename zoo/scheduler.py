@@ -60,13 +60,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        # Every decoding request's own token comes before any draft: drafts share what is left.
+        decodes_after = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            decodes_after -= request.num_tokens - request.num_computed_tokens == 1
             draft = drafts.get(request.request_id)
             if draft is not None:  # only after a single committed token, and cut to what the budget leaves
-                draft = draft.first(budget - 1) if num_tokens == 1 else None
+                draft = draft.first(budget - 1 - decodes_after) if num_tokens == 1 else None
             entry = ScheduledRequest(request, request.num_computed_tokens, num_tokens, draft)
             while not self.blocks.ensure_slots(request, entry.start + entry.num_query_tokens):
                 if entry.draft is not None:  # drafts are optional: cut them to the free slots before preempting
