@@ -87,20 +87,21 @@ def measure(llm, prompts, new_tokens: int, repeats: int = 2) -> tuple[float, lis
 BF16_TIE = 0.05  # log-probability gap under which plain decoding's top two candidates count as a near-tie
 
 
-def parted_at_near_tie(plain_outputs, tokens) -> list[bool]:
-    """For each sequence that differs from plain decoding: whether plain decoding's top two candidates at the
-    first differing token were a near-tie (bf16: another batch or draft shape sums in another order)."""
-    verdicts = []
+def parting_gaps(plain_outputs, tokens) -> list[float | None]:
+    """For each sequence that differs from plain decoding: the gap between plain decoding's top two
+    log-probabilities at the first differing token (a near-tie below BF16_TIE: bf16 sums in another order
+    for another batch or draft shape); None where one output is a prefix of the other."""
+    gaps = []
     for reference, got in zip(plain_outputs, tokens):
         if reference.token_ids == got:
             continue
         k = next((i for i, (a, b) in enumerate(zip(reference.token_ids, got)) if a != b), None)
         if k is None:
-            verdicts.append(False)
+            gaps.append(None)
             continue
         first, second = [value for _, value in reference.logprobs[k]["top"]]
-        verdicts.append(first - second < BF16_TIE)
-    return verdicts
+        gaps.append(round(first - second, 4))
+    return gaps
 
 
 def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dict]:
@@ -123,7 +124,7 @@ def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dic
                     max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)))
             row["speedup"] = round(tok_s / plain[batch][0], 3)
             row["identical_sequences"] = sum(a == b for a, b in zip(tokens, plain[batch][1]))
-            row["parted_at_near_tie"] = parted_at_near_tie(plain[batch][2], tokens)
+            row["parting_gaps"] = parting_gaps(plain[batch][2], tokens)
             row["ms_per_step"] = phase_profile(llm, prompts[:batch], new_tokens)
             rows.append(row)
             log(f"{row['method']:9} batch {batch:3}: {tok_s:9.1f} tok/s  x{row['speedup']:.2f}  accepted "
@@ -216,7 +217,7 @@ def write_markdown(record: dict, path: Path) -> None:
     for row in record["methods"]:
         if "batch" in row:
             depths = " ".join(f"{a:.2f}" for a in row["acceptance_by_depth"][:5]) or "-"
-            ties = sum(row.get("parted_at_near_tie", []))
+            ties = sum(gap is not None and gap < BF16_TIE for gap in row.get("parting_gaps", []))
             phases = " / ".join(f"{row['ms_per_step'][k]:.2f}" for k in ("propose", "prepare", "target", "commit",
                                                                            "results")) if "ms_per_step" in row else "-"
             lines.append(f"| {row['method']} | {row['batch']} | {row['tok_s']:.0f} | {row['speedup']:.2f}x | "

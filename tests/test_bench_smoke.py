@@ -39,3 +39,18 @@ def test_speculative_script_runs(tmp_path):
     assert set(rows) == {"transformers generate", "zoo none", "zoo medusa", "zoo lookahead", "zoo eagle"}
     assert all(row["tok_s"] > 0 for row in rows.values())
     assert all(row["tokens_equal_plain"] for name, row in rows.items() if name.startswith("zoo"))
+
+
+def test_speculative_gpu_measuring_code_runs_on_cpu(tmp_path):
+    """--smoke: the shipped default and its heads through every method, phases profiled, tables written."""
+    script = SCRIPT.parent / "speculative_gpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--new-tokens", "8", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads((tmp_path / "spec.json").read_text())
+    rows = [r for r in record["methods"] if "batch" in r]
+    assert {r["method"] for r in rows} >= {"none", "medusa", "eagle", "lookahead"}
+    for row in rows:
+        assert row["tok_s"] > 0 and row["ms_per_step"]["target"] > 0
+        assert row["identical_sequences"] == row["batch"]  # float32: drafting never changes a token
+    assert "ms per step" in (tmp_path / "spec.md").read_text()
