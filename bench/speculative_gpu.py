@@ -30,6 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from zoo import LLM, DecodingMethod, DraftBlock, SamplingParams, hookimpl  # noqa: E402
+from zoo.config import compose_config  # noqa: E402
 
 START = time.perf_counter()
 METHODS = ("none", "medusa", "eagle", "lookahead")
@@ -47,15 +48,7 @@ def log(message: str) -> None:
 
 
 def compose(name: str, overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from zoo.config import register_plugin_configs
-
-    register_plugin_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="zoo_conf", version_base=None):
-        return hydra_compose(config_name=name, overrides=overrides)
+    return compose_config(overrides, name)
 
 
 def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:

@@ -17,6 +17,7 @@ import torch
 
 import zoo
 from zoo import LLM, SamplingParams, ZooError
+from zoo.config import compose_config
 
 DEFAULT_MODEL = Path(zoo.__file__).parent / "default_model"
 HELD_OUT = ["def main():\n", "import os\n", "class Parser:\n    def __init__(self", "    return self."]
@@ -24,16 +25,7 @@ PARAMS = SamplingParams(max_new_tokens=48, ignore_eos=True)
 
 
 def compose(name: str, overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_module
-
-    from zoo.config import register_plugin_configs
-
-    register_plugin_configs()
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="zoo_conf", version_base=None):
-        return hydra_compose(config_name=name, overrides=overrides)
+    return compose_config(overrides, name)
 
 
 def python_module(*args, cwd) -> subprocess.CompletedProcess:

@@ -27,13 +27,14 @@ def register_plugin_configs() -> None:
         _registered = True
 
 
-def compose_config(overrides: list[str] = ()) -> DictConfig:
+def compose_config(overrides: list[str] = (), name: str = "config") -> DictConfig:
+    """A primary config of ``conf/`` (``config`` for zoo.run, ``train``, ``pretrain``) with overrides."""
     register_plugin_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-            return compose(config_name="config", overrides=list(overrides))
+            return compose(config_name=name, overrides=list(overrides))
     except MissingConfigException as exc:
         if exc.options is None:
             raise ZooError(f"bad config override: {exc}") from None

@@ -116,16 +116,18 @@ class ModelRunner:
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,
                           layout.logits_indices, graph=graph)
         if graph is None:
-            use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
             batch.attention = self.attention_metadata(batch.num_tokens, len(scheduled), max_query, num_blocks,
-                                                      layout.has_drafts, use_kernel)
+                                                      layout.has_drafts)
         else:
             self.graphs.pad_rows(len(scheduled), graph[1], stride)
         self.hooks.zoo_step_prepare(batch=batch, buffers=self.step_buffers(batch.sizes))
         return batch
 
     def attention_metadata(self, num_tokens, num_seqs, max_query, num_blocks, has_drafts,
-                           use_kernel) -> AttentionMetadata:
+                           use_kernel: bool | None = None) -> AttentionMetadata:
+        """The step's attention metadata; ``use_kernel`` None: the decode kernel wherever it handles the query."""
+        if use_kernel is None:
+            use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
         buf = self.buffers
         visible = buf["draft_visible"][:num_tokens] if has_drafts else None
         mask = None if use_kernel else self._dense_mask(num_tokens, num_seqs, max_query, num_blocks, visible)
@@ -198,8 +200,7 @@ class ModelRunner:
         if size is not None:
             self.graphs.pad_rows(num_seqs, size, self.graphs.families[family].stride)
             return self.graphs.replay(family, size)
-        use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
-        meta = self.attention_metadata(num_tokens, num_seqs, max_query, num_blocks, has_drafts, use_kernel)
+        meta = self.attention_metadata(num_tokens, num_seqs, max_query, num_blocks, has_drafts)
         buffers = self.step_buffers({"token": num_tokens, "seq": num_seqs})
         return self.graphs.families[family].body(ForwardContext(meta, buffers, None))
 
