@@ -40,8 +40,9 @@ from zoo.step_inputs import StepLayout, padded_rows
 
 zoo_scope = Scope(option="decoding=eagle")
 WEIGHTS = "model.safetensors"
-EXTEND, TREE = "eagle_extend", "eagle_tree"  # the draft's two passes, each a graph family
-TARGET_FEATURES, DRAFT_FEATURES = "eagle_target_features", "eagle_draft_features"  # what each pass reads
+EXTEND, GROW = "eagle_extend", "eagle_grow"  # following the target's cache; growing a tree (graph families)
+TARGET_FEATURES, DRAFT_FEATURES = "eagle_target_features", "eagle_draft_features"  # what each draft pass reads
+ROOT_FEATURES, NUM_TOKENS = "eagle_root_features", "eagle_num_tokens"  # per request, where a tree grows from
 
 
 class EagleDraft(nn.Module):
@@ -199,7 +200,9 @@ class Eagle(DecodingMethod):
         setup.add_buffer(BufferSpec(DRAFT_FEATURES, (tokens, hidden), dtype=engine.dtype))
         # After a verify step a request keeps at most depth + 1 positions; each tree pass expands top_k nodes.
         setup.add_graph_pass(EXTEND, 1 + self.depth, self._extend_pass)
-        setup.add_graph_pass(TREE, self.top_k, self._tree_pass, tree=True)
+        setup.add_buffer(BufferSpec(ROOT_FEATURES, (setup.limits.max_num_seqs, hidden), dtype=engine.dtype, per="seq"))
+        setup.add_buffer(BufferSpec(NUM_TOKENS, (setup.limits.max_num_seqs,), per="seq", fill=2))
+        setup.add_graph_pass(GROW, self.top_k, self._grow_pass, tree=True)
         if self.layers:
             setup.capture_layers(self.layers)
         setup.key_blocks_on_next_tokens(1)  # the draft K/V at position j pairs it with token j + 1
@@ -303,37 +306,56 @@ class Eagle(DecodingMethod):
         return self._grow(ready)
 
     def _grow(self, ready) -> dict[int, DraftBlock]:
-        """The tree grown on the device: each pass's inputs come from the last pass's top-k by tensor
-        operations, so nothing waits for the host until the finished tree is read once.
+        """The tree grown on the device as one pass (a graph on CUDA): its result is read once."""
+        runner = self.engine.runner
+        buffers, size_r = runner.buffers, len(ready)
+        block_ids = [r.block_ids for r in ready]
+        num_blocks = max(len(b) for b in block_ids)
+        buffers["block_tables"][:size_r, :num_blocks].copy_(padded_rows(block_ids, num_blocks), non_blocking=True)
+        buffers[NUM_TOKENS][:size_r].copy_(torch.tensor([r.num_tokens for r in ready]), non_blocking=True)
+        buffers[ROOT_FEATURES][:size_r] = torch.stack([self.roots[r.request_id][1] for r in ready])
+        size, count = runner.pass_size(GROW, [self.top_k] * size_r), size_r * self.top_k
+        if size is not None:  # dummies: two tokens, every slot in the scratch block (pad_rows)
+            buffers[NUM_TOKENS][size_r:size] = 2
+            (picked,) = runner.run_written_pass(GROW, count, size_r, self.top_k, num_blocks, True, size)
+        else:  # each tree pass makes its own attention metadata from the buffers it wrote: give views only
+            meta = runner.attention_metadata(count, size_r, self.top_k, num_blocks, True, use_kernel=True)
+            (picked,) = self._grow_pass(ForwardContext(meta, runner.step_buffers({"token": count, "seq": size_r}), None))
+        ids, toks, parents, values = picked[:, :size_r].tolist()
+        return {r.request_id: self._block({int(i): [int(t), int(a), v, self._node_depth(int(i))]
+                                           for i, t, a, v in zip(ids[b], toks[b], parents[b], values[b])})
+                for b, r in enumerate(ready)}
+
+    def _grow_pass(self, context: ForwardContext):
+        """``depth`` expansions from the roots in ``ROOT_FEATURES``: each tree pass's inputs come from the
+        last pass's top-k by tensor operations, so the host never waits in between.
 
         Node ids: the root's children 0..k-1, then pass ``p``'s candidates ``k + (p - 2) k^2 + j k + t``
         (child ``t`` of frontier node ``j``). The frontier node ``j`` expanded in pass ``p`` writes its K/V
         at cache index ``n + (p - 2) k + j`` and sees its ancestors' slots (``visible``, offsets from the
-        block's start at ``n - 1``, whose slot the draft leaves empty).
+        block's start at ``n - 1``, whose slot the draft leaves empty). Returns ``[4, requests, kept]``:
+        the likeliest nodes' ids, tokens, parent ids and scores.
         """
-        runner, k, device = self.engine.runner, self.top_k, self.engine.device
-        buffers, size_r = runner.buffers, len(ready)
-        n = torch.tensor([r.num_tokens for r in ready], device=device)
-        block_ids = [r.block_ids for r in ready]
-        num_blocks = max(len(b) for b in block_ids)
-        buffers["block_tables"][:size_r, :num_blocks].copy_(padded_rows(block_ids, num_blocks), non_blocking=True)
-        roots = torch.stack([self.roots[r.request_id][1] for r in ready])
+        runner, k, meta = self.engine.runner, self.top_k, context.attention
+        n, roots = context.buffers[NUM_TOKENS], context.buffers[ROOT_FEATURES]
+        size_r, device, num_blocks = n.shape[0], n.device, meta.block_tables.shape[1]
         best = self.draft.top_k(roots, k, self.engine.model.lm_head)
         scores, tokens, parent_features = best.values, best.indices, roots[:, None].expand(-1, k, -1)
         frontier = torch.arange(k, device=device).expand(size_r, k)
         all_tokens, all_parents, all_scores = [tokens], [torch.full_like(tokens, -1)], [scores]
-        visible = torch.zeros(size_r, k, buffers["draft_visible"].shape[1], dtype=torch.int8, device=device)
+        visible = torch.zeros(size_r, k, runner.buffers["draft_visible"].shape[1], dtype=torch.int8, device=device)
         columns = torch.arange(k, device=device)
-        size = runner.pass_size(TREE, [k] * size_r)
         for p in range(2, self.depth + 1):
             visible[:, columns, (p - 2) * k + columns + 1] = 1
             cache_index = n[:, None] + (p - 2) * k + columns  # [R, k]
             self._write_tree_pass(cache_index, (n - 3 + p)[:, None].expand(-1, k), tokens, visible,
                                   parent_features, n + (p - 1) * k, n - 1)
-            outputs, values, indices = runner.run_written_pass(TREE, size_r * k, size_r, k, num_blocks, True, size)
-            hidden = outputs[:size_r * k].view(size_r, k, -1)
-            candidates = (scores[:, :, None] + values[:size_r * k].view(size_r, k, k)).flatten(1)
-            children = indices[:size_r * k].view(size_r, k * k)
+            # Views of the buffers just written (and a dense mask made from them where the kernel is not used).
+            pass_meta = runner.attention_metadata(size_r * k, size_r, k, num_blocks, True)
+            outputs, values, indices = self._tree_pass(ForwardContext(pass_meta, context.buffers, None))
+            hidden = outputs.view(size_r, k, -1)
+            candidates = (scores[:, :, None] + values.view(size_r, k, k)).flatten(1)
+            children = indices.view(size_r, k * k)
             all_tokens.append(children)
             all_parents.append(frontier[:, :, None].expand(-1, -1, k).flatten(1))
             all_scores.append(candidates)
@@ -343,16 +365,11 @@ class Eagle(DecodingMethod):
             tokens = children.gather(1, chosen)
             parent_features = hidden.gather(1, parent[..., None].expand(-1, -1, hidden.shape[-1]))
             visible = visible.gather(1, parent[..., None].expand(-1, -1, visible.shape[-1]))
-        # Only the likeliest nodes can enter the block (a child is never likelier than its parent): read those.
+        # Only the likeliest nodes can enter the block (a child is never likelier than its parent): keep those.
         node_scores = torch.cat(all_scores, dim=1)
-        keep = min(node_scores.shape[1], self.max_draft_tokens + k)
-        top_scores, top_ids = node_scores.topk(keep, dim=-1)
-        picked = torch.stack([top_ids.double(), torch.cat(all_tokens, 1).gather(1, top_ids).double(),
-                              torch.cat(all_parents, 1).gather(1, top_ids).double(), top_scores.double()])
-        ids, toks, parents, values = picked.tolist()
-        return {r.request_id: self._block({int(i): [int(t), int(a), v, self._node_depth(int(i))]
-                                           for i, t, a, v in zip(ids[b], toks[b], parents[b], values[b])})
-                for b, r in enumerate(ready)}
+        top_scores, top_ids = node_scores.topk(min(node_scores.shape[1], self.max_draft_tokens + k), dim=-1)
+        return (torch.stack([top_ids.double(), torch.cat(all_tokens, 1).gather(1, top_ids).double(),
+                             torch.cat(all_parents, 1).gather(1, top_ids).double(), top_scores.double()]),)
 
     def _node_depth(self, node: int) -> int:
         return 1 if node < self.top_k else 2 + (node - self.top_k) // (self.top_k * self.top_k)

@@ -19,6 +19,7 @@ from test_glm import glm_checkpoint  # noqa: F401  (a fixture)
 from test_medusa import REGIMES, assert_one_line_error, mixed_prompts
 from test_speculative import assert_three_sampled_tokens_follow_the_target
 from zoo import LLM, SamplingParams, ZooError, hookimpl
+from zoo.cuda_graphs import GraphFamily
 
 MAX_NEW = 8
 ATOL = 1e-4  # float32
@@ -321,6 +322,9 @@ def reference_tree(method, ready) -> dict:
             yield i
             i = tree[i][1]
 
+    graphs = method.engine.runner.graphs
+    if "eagle_tree" not in graphs.families:  # one tree pass at a time, run eagerly through method._run
+        graphs.add(GraphFamily("eagle_tree", k, True, method._tree_pass))
     roots = [method.roots[r.request_id][1] for r in ready]
     frontier = expand([[(-1, 0.0)] for _ in ready], method.draft.top_k(torch.stack(roots), k, lm_head), 1)
     for depth in range(2, method.depth + 1):

@@ -157,7 +157,7 @@ def test_eagle_draft_passes_replay_as_graphs(checkpoints, eight_layer_llama, tmp
         assert llm.engine.draft_failures == 0
         if mode == "graphs":
             replays = llm.engine.runner.graphs.replays
-            assert replays.get("eagle_extend", 0) > 0 and replays.get("eagle_tree", 0) > 0, replays
+            assert replays.get("eagle_extend", 0) > 0 and replays.get("eagle_grow", 0) > 0, replays
             assert replays.get("verify", 0) > 0, replays
             for tokens, root in roots.seen[::4]:
                 torch.testing.assert_close(root, dense(tensors, hf_model, tokens), atol=1e-3, rtol=0)
@@ -172,7 +172,7 @@ def test_trained_eagle_trees_are_the_same_with_graphs_and_eager():
         drafts = DraftRecorder()
         llm = LLM(decoding="eagle", plugins=[drafts], device="cuda", dtype="float32", enforce_eager=mode == "eager")
         runs[mode] = ([o.token_ids for o in llm.generate(prompts, params)], drafts.blocks)
-        assert (llm.engine.runner.graphs.replays.get("eagle_tree", 0) > 0) == (mode == "graphs")
+        assert (llm.engine.runner.graphs.replays.get("eagle_grow", 0) > 0) == (mode == "graphs")
     assert runs["graphs"] == runs["eager"]
 
 
@@ -187,7 +187,7 @@ def test_eagle_in_bfloat16_with_graphs_parts_from_plain_decoding_only_at_near_ti
     llm = LLM(str(folder), decoding="eagle", device="cuda", dtype="bfloat16",
               overrides=[f"decoding.heads={tmp_path / 'heads'}"])
     outputs = llm.generate(prompts, params)
-    assert llm.engine.runner.graphs.replays.get("eagle_tree", 0) > 0
+    assert llm.engine.runner.graphs.replays.get("eagle_grow", 0) > 0
     near_ties = 0
     for a, b in zip(plain, outputs):
         if a.token_ids != b.token_ids:

@@ -122,6 +122,6 @@ class DecodeGraphs:
         buf["token_cache_index"][rows] = 0
         if "draft_visible" in buf:
             buf["draft_visible"][rows] = 0
-        buf["block_tables"][seqs, 0] = scratch
+        buf["block_tables"][seqs] = scratch  # every column: a pass may derive slots past the first block
         buf["context_lens"][seqs] = 1
         buf["draft_start"][seqs] = 1
