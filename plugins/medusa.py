@@ -29,8 +29,10 @@ from torch import nn
 from zoo import DecodingMethod, DraftBlock, HeadsTrainer, Scope, ZooError, hookimpl
 from zoo.decoding import heads_folder
 from zoo.loader import load_module_weights
+from zoo.step import BufferSpec
 
 zoo_scope = Scope(option="decoding=medusa")
+HEADS_PASS, LAST_HIDDEN = "medusa_heads", "medusa_last_hidden"  # the heads' graph family and what it reads
 
 # FasterDecoding/Medusa, medusa/model/medusa_choices.py: the 63-node tree tuned for Vicuna-7B.
 MC_SIM_7B_63 = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5],
@@ -141,12 +143,22 @@ class Medusa(DecodingMethod):
         return MedusaTrainer(self.heads, model, self.fresh)
 
     @hookimpl
-    def zoo_engine_start(self, engine):
+    def zoo_engine_start(self, engine, setup):
         if self.fresh:
             self.heads.fresh(engine.model.lm_head)
             print(f"note: decoding=medusa starts from fresh heads ({len(self.heads)} heads, no decoding.heads): "
                   "tokens are exact, the speedup needs trained heads", file=sys.stderr)
         self.heads = self.heads.to(engine.device, engine.dtype).eval()
+        self.runner = setup.runner
+        setup.add_buffer(BufferSpec(LAST_HIDDEN, (setup.limits.max_num_seqs, engine.description.hidden_size),
+                                    dtype=engine.dtype, per="seq"))
+        # The heads' dozens of small kernels replay as one graph per batch size: at batch 1 they are launch-bound.
+        setup.add_graph_pass(HEADS_PASS, 1, lambda context: (self._ranked(context.buffers[LAST_HIDDEN]),))
+
+    def _ranked(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[depth, requests, top_k]``: each head's likeliest tokens."""
+        depth = max(len(p) for p in self.paths)
+        return torch.stack([self.heads[k](hidden).topk(self.top_k, dim=-1).indices for k in range(depth)])
 
     @torch.inference_mode()
     def propose(self, requests):
@@ -154,9 +166,13 @@ class Medusa(DecodingMethod):
         if not ready:
             return {}
         hidden = torch.stack([self.last_hidden[r.request_id] for r in ready])
-        depth = max(len(p) for p in self.paths)
-        ranked = torch.stack([self.heads[k](hidden).topk(self.top_k, dim=-1).indices for k in range(depth)])
-        ranked = ranked.tolist()  # [depth][request][rank], one copy to the host
+        size = self.runner.pass_size(HEADS_PASS, [1] * len(ready))
+        if size is None:
+            ranked = self._ranked(hidden)
+        else:
+            self.runner.buffers[LAST_HIDDEN][:len(ready)] = hidden
+            ranked = self.runner.run_written_pass(HEADS_PASS, len(ready), len(ready), 1, 1, False, size)[0]
+        ranked = ranked[:, :len(ready)].tolist()  # [depth][request][rank], one copy to the host
         return {r.request_id: DraftBlock([ranked[len(p) - 1][b][p[-1]] for p in self.paths], list(self.parents))
                 for b, r in enumerate(ready)}
 

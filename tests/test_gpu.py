@@ -163,16 +163,17 @@ def test_eagle_draft_passes_replay_as_graphs(checkpoints, eight_layer_llama, tmp
                 torch.testing.assert_close(root, dense(tensors, hf_model, tokens), atol=1e-3, rtol=0)
 
 
-def test_trained_eagle_trees_are_the_same_with_graphs_and_eager():
-    """The shipped default's trained draft in float32: every step's draft trees, graphed or eager."""
+@pytest.mark.parametrize("method, family", [("eagle", "eagle_grow"), ("medusa", "medusa_heads")])
+def test_trained_drafts_are_the_same_with_graphs_and_eager(method, family):
+    """The shipped default's trained heads in float32: every step's draft blocks, graphed or eager."""
     prompts = ["def main():", "import os\n", "class Parser:\n    def __init__(self", "x = [", "    return self."]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     runs = {}
     for mode in ("graphs", "eager"):
         drafts = DraftRecorder()
-        llm = LLM(decoding="eagle", plugins=[drafts], device="cuda", dtype="float32", enforce_eager=mode == "eager")
+        llm = LLM(decoding=method, plugins=[drafts], device="cuda", dtype="float32", enforce_eager=mode == "eager")
         runs[mode] = ([o.token_ids for o in llm.generate(prompts, params)], drafts.blocks)
-        assert (llm.engine.runner.graphs.replays.get("eagle_grow", 0) > 0) == (mode == "graphs")
+        assert (llm.engine.runner.graphs.replays.get(family, 0) > 0) == (mode == "graphs")
     assert runs["graphs"] == runs["eager"]
 
 
