@@ -103,13 +103,15 @@ def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dic
         overrides = [f"decoding.heads={heads[method]}"] if method in heads else []
         llm = LLM(str(target), decoding=method, overrides=overrides, dtype=DTYPE, enable_prefix_caching=False,
                   max_num_seqs=max(BATCHES))  # no graphs captured for batches never run
-        limit = llm.engine.draft_batch_limit
-        for batch, always in [(b, False) for b in BATCHES] + ([(max(BATCHES), True)] if method != "none" else []):
-            # The last row drafts even above decoding.disable_by_batch_size: what the policy saves.
-            llm.engine.draft_batch_limit = 1 << 62 if always else limit
+        policy = llm.engine.draft_batch_limit, llm.engine.draft_step_tokens
+        unloaded = [(b, True) for b in BATCHES if b > 1] if method != "none" else []
+        for batch, always in [(b, False) for b in BATCHES] + unloaded:
+            # The last rows draft in full at every batch size (no disable_by_batch_size, no
+            # draft_tokens_per_step): what the load policy saves.
+            llm.engine.draft_batch_limit, llm.engine.draft_step_tokens = (1 << 62, 1 << 62) if always else policy
             tok_s, tokens, stats = measure(llm, prompts[:batch], new_tokens)
             accepted = stats.accepted_depth + [0] * len(stats.drafted_depth)
-            row = {"method": method + (" (always drafting)" if always else ""), "batch": batch, "tok_s": round(tok_s, 1),
+            row = {"method": method + (" (no load policy)" if always else ""), "batch": batch, "tok_s": round(tok_s, 1),
                    "accepted_length": round(stats.generated_tokens / max(stats.token_steps, 1), 3),
                    "acceptance_by_depth": [round(a / n, 3) for n, a in zip(stats.drafted_depth, accepted) if n]}
             if method == "none":

@@ -397,7 +397,7 @@ class Eagle(DecodingMethod):
 
     def _block(self, nodes: dict[int, list]) -> DraftBlock:
         """The likeliest nodes (``id -> [token, parent id, score, depth]``), each kept only after its parent,
-        laid out parents first."""
+        laid out likeliest first (so parents first): a block cut to its first n tokens keeps the n likeliest."""
         chosen, kept = [], set()
         for i in sorted(nodes, key=lambda i: (-nodes[i][2], nodes[i][3], i)):
             if len(chosen) == self.max_draft_tokens:
@@ -405,7 +405,6 @@ class Eagle(DecodingMethod):
             if nodes[i][1] < 0 or nodes[i][1] in kept:
                 chosen.append(i)
                 kept.add(i)
-        chosen.sort(key=lambda i: (nodes[i][3], i))
         index = {old: new for new, old in enumerate(chosen)}
         return DraftBlock([nodes[i][0] for i in chosen], [index.get(nodes[i][1], -1) for i in chosen])
 

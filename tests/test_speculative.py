@@ -346,8 +346,37 @@ def test_drafting_stops_above_disable_by_batch_size(method):
         assert bool(llm.engine.stats.drafted_depth) == drafts
 
 
-def test_a_bad_disable_by_batch_size_is_one_line(tmp_path):
+class DraftSizes:
+    """The draft tokens of each request in each verify step."""
+
+    name = "draft_sizes"
+
+    def __init__(self):
+        self.steps = []
+
+    @hookimpl
+    def zoo_step_prepare(self, batch):
+        self.steps.append([len(e.draft.tokens) for e in batch.scheduled if e.draft is not None])
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "lookahead"])
+def test_draft_tokens_per_step_are_shared_by_the_decoding_requests(method):
+    """With four requests decoding, a 12-token step budget leaves each at most 3 drafts; tokens stay exact."""
+    prompts = ["def main():", "import os", "class A:", "x = ["]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = LLM().generate(prompts, params)
+    sizes = DraftSizes()
+    llm = LLM(decoding=method, plugins=[sizes], overrides=["decoding.draft_tokens_per_step=12"])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    full = [step for step in sizes.steps if len(step) == 4]
+    assert full and all(max(step) <= 3 for step in full), sizes.steps
+    assert max(max(step) for step in sizes.steps if step) > 3  # fewer requests decoding: longer drafts
+    assert sum(llm.engine.stats.accepted_depth) > 0
+
+
+@pytest.mark.parametrize("key", ["disable_by_batch_size", "draft_tokens_per_step"])
+def test_a_bad_draft_limit_is_one_line(tmp_path, key):
     from test_medusa import assert_one_line_error
 
-    assert_one_line_error("eagle", ["decoding.disable_by_batch_size=-1"],
-                          "decoding.disable_by_batch_size=-1 must be an integer >= 0 or null", tmp_path)
+    assert_one_line_error("eagle", [f"decoding.{key}=-1"], f"decoding.{key}=-1 must be an integer >= 0 or null",
+                          tmp_path)

@@ -199,14 +199,18 @@ class HeadsTrainer:
         raise NotImplementedError
 
 
-def draft_batch_limit(settings) -> int:
-    """``decoding.disable_by_batch_size`` (vLLM's name): above this many decoding requests a step drafts
-    nothing; null or absent: always draft."""
-    limit = settings.get("disable_by_batch_size") if hasattr(settings, "get") else None
+def draft_limit(settings, key: str) -> int:
+    """A load policy of ``decoding`` (null or absent: no limit):
+
+    - ``disable_by_batch_size`` (vLLM's name): above this many decoding requests a step drafts nothing;
+    - ``draft_tokens_per_step``: the draft tokens of one step, shared evenly by its decoding requests, so
+      a verify step stays about as cheap as a plain one as the batch grows.
+    """
+    limit = settings.get(key) if hasattr(settings, "get") else None
     if limit is None:
         return 1 << 62
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise ZooError(f"decoding.disable_by_batch_size={limit!r} must be an integer >= 0 or null")
+        raise ZooError(f"decoding.{key}={limit!r} must be an integer >= 0 or null")
     return limit
 
 
@@ -231,8 +235,9 @@ def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
 
 
 def fit_drafts(method: DecodingMethod, drafts: dict[int, DraftBlock], requests: list["Request"],
-               max_model_len: int) -> dict[int, DraftBlock]:
-    """Check a method's drafts and cut them where they would pass the model's last position."""
+               max_model_len: int, share: int = 1 << 62) -> dict[int, DraftBlock]:
+    """Check a method's drafts and cut them to their first ``share`` tokens and where they would pass the
+    model's last position."""
     fitted = {}
     for request in requests:
         draft = drafts.get(request.request_id)
@@ -242,7 +247,8 @@ def fit_drafts(method: DecodingMethod, drafts: dict[int, DraftBlock], requests: 
             raise ZooError(f"decoding method {method.name!r} proposed {len(draft.tokens)} draft tokens; "
                            f"its max_draft_tokens is {method.max_draft_tokens}")
         # A draft token at offset d sits at position num_tokens - 1 + d.
-        draft = draft.within(max_model_len - request.num_tokens)
+        draft = draft.first(share)
+        draft = draft and draft.within(max_model_len - request.num_tokens)
         if draft is not None:
             fitted[request.request_id] = draft
     return fitted

@@ -8,7 +8,7 @@ import time
 from zoo import fused_ops
 from zoo.block_manager import BlockManager
 from zoo.commit import Committer
-from zoo.decoding import choose_method, draft_batch_limit, fit_drafts
+from zoo.decoding import choose_method, draft_limit, fit_drafts
 from zoo.engine_setup import EngineSetup, device_and_dtype
 from zoo.errors import ZooError
 from zoo.intake import RequestIntake
@@ -37,7 +37,8 @@ class Engine:
         # From here on only the plugins that take part in this run are called.
         self.plugins = select_plugins(self.plugin_manager, config, self.description.architecture)
         # Before the weights load, so that a bad decoding setting costs no loading time.
-        self.draft_batch_limit = draft_batch_limit(config["decoding"])
+        self.draft_batch_limit = draft_limit(config["decoding"], "disable_by_batch_size")
+        self.draft_step_tokens = draft_limit(config["decoding"], "draft_tokens_per_step")
         self.decoding = choose_method(self.plugin_manager, config["decoding"]["name"], self)
         self.model = load_model(self.checkpoint, self.hooks, self.dtype, self.device)
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
@@ -132,7 +133,8 @@ class Engine:
                       f"({type(exc).__name__}: {exc}); these steps decode without drafts", file=sys.stderr)
             self.draft_failures += 1
             return {}
-        return fit_drafts(self.decoding, proposed, decoding, self.max_model_len)
+        return fit_drafts(self.decoding, proposed, decoding, self.max_model_len,
+                          share=self.draft_step_tokens // len(decoding))
 
     # ---------------------------------------------------------------- loops
 
