@@ -193,6 +193,7 @@ class Eagle(DecodingMethod):
             print("note: decoding=eagle starts from a random draft layer (no decoding.heads): tokens are exact, "
                   "nothing is accepted until it is trained", file=sys.stderr)
         self.draft = self.draft.to(engine.device, engine.dtype).eval()  # d2t, an integer buffer, stays long
+        self.runner = setup.runner  # the engine holds it only once the graphs are captured
         setup.add_kv_layers([self.draft.attention])
         tokens, hidden = setup.limits.max_num_tokens, self.draft.fc.out_features
         target_width = self.draft.fc.in_features if self.layers else hidden  # EAGLE-3 reads three target layers
@@ -226,7 +227,7 @@ class Eagle(DecodingMethod):
     def _run(self, family: str, groups, features: torch.Tensor) -> list[torch.Tensor]:
         """The pass's outputs for query tokens laid out by ``groups``: per request (request, queries, draft
         start), each query (token, cache index, position, draft offsets it sees or None for plain causal)."""
-        runner = self.engine.runner
+        runner = self.runner
         size = runner.pass_size(family, [len(queries) for _, queries, _ in groups])
         layout, rows = StepLayout(1, runner.block_size), []
         for b, (request, queries, draft_start) in enumerate(groups):
@@ -307,7 +308,7 @@ class Eagle(DecodingMethod):
 
     def _grow(self, ready) -> dict[int, DraftBlock]:
         """The tree grown on the device as one pass (a graph on CUDA): its result is read once."""
-        runner = self.engine.runner
+        runner = self.runner
         buffers, size_r = runner.buffers, len(ready)
         block_ids = [r.block_ids for r in ready]
         num_blocks = max(len(b) for b in block_ids)
@@ -336,7 +337,7 @@ class Eagle(DecodingMethod):
         block's start at ``n - 1``, whose slot the draft leaves empty). Returns ``[4, requests, kept]``:
         the likeliest nodes' ids, tokens, parent ids and scores.
         """
-        runner, k, meta = self.engine.runner, self.top_k, context.attention
+        runner, k, meta = self.runner, self.top_k, context.attention
         n, roots = context.buffers[NUM_TOKENS], context.buffers[ROOT_FEATURES]
         size_r, device, num_blocks = n.shape[0], n.device, meta.block_tables.shape[1]
         best = self.draft.top_k(roots, k, self.engine.model.lm_head)
@@ -376,7 +377,7 @@ class Eagle(DecodingMethod):
 
     def _write_tree_pass(self, cache_index, positions, tokens, visible, features, context_lens, draft_start):
         """One tree pass's inputs, written into the step buffers by device operations."""
-        runner = self.engine.runner
+        runner = self.runner
         buffers, bs = runner.buffers, runner.block_size
         size_r, k = cache_index.shape
         count = size_r * k
