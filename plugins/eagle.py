@@ -345,9 +345,9 @@ class Eagle(DecodingMethod):
         frontier = torch.arange(k, device=device).expand(size_r, k)
         all_tokens, all_parents, all_scores = [tokens], [torch.full_like(tokens, -1)], [scores]
         visible = torch.zeros(size_r, k, runner.buffers["draft_visible"].shape[1], dtype=torch.int8, device=device)
-        columns = torch.arange(k, device=device)
+        columns, seen = torch.arange(k, device=device), torch.ones((), dtype=torch.int8, device=device)
         for p in range(2, self.depth + 1):
-            visible[:, columns, (p - 2) * k + columns + 1] = 1
+            visible[:, columns, (p - 2) * k + columns + 1] = seen  # a device value: a graph captures no host copy
             cache_index = n[:, None] + (p - 2) * k + columns  # [R, k]
             self._write_tree_pass(cache_index, (n - 3 + p)[:, None].expand(-1, k), tokens, visible,
                                   parent_features, n + (p - 1) * k, n - 1)
