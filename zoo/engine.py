@@ -6,6 +6,7 @@ import sys
 import time
 
 from zoo import fused_ops
+from zoo.adapters import Adapters
 from zoo.block_manager import BlockManager
 from zoo.commit import Committer
 from zoo.decoding import choose_method, draft_limit, fit_drafts
@@ -40,6 +41,7 @@ class Engine:
         self.draft_batch_limit = draft_limit(config["decoding"], "disable_by_batch_size")
         self.draft_step_tokens = draft_limit(config["decoding"], "draft_tokens_per_step")
         self.decoding = choose_method(self.plugin_manager, config["decoding"]["name"], self)
+        self.adapters = Adapters(self.plugin_manager, self)
         self.model = load_model(self.checkpoint, self.hooks, self.dtype, self.device)
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
         self.model.fuse_projections()
@@ -50,7 +52,8 @@ class Engine:
         self.runner = self._start_runner(runtime)
         self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime["enable_prefix_caching"]),
                                    self.setup.cache_lookahead)
-        self.scheduler = Scheduler(self.blocks, int(runtime["max_num_seqs"]), int(runtime["max_num_batched_tokens"]))
+        self.scheduler = Scheduler(self.blocks, int(runtime["max_num_seqs"]), int(runtime["max_num_batched_tokens"]),
+                                   admits=self.adapters.admits)
         self.sampler = Sampler(self.hooks, self, int(runtime["seed"]), self.device, self.description.eos_token_ids)
         self.stats = EngineStats()
         self.intake = RequestIntake(self)

@@ -23,6 +23,7 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
+    from zoo.adapters import AdapterKind
     from zoo.decoding import DecodingMethod
     from zoo.description import ModelDescription
     from zoo.engine import Engine
@@ -138,6 +139,18 @@ def zoo_decoding_methods() -> dict[str, Callable[["Engine"], "DecodingMethod"]]:
     """
 
 
+@hookspec
+def zoo_adapter_kinds() -> dict[str, Callable[["Engine"], "AdapterKind"]]:
+    """Serve adapters of some PEFT types.
+
+    Runs at engine start, before the weights load. Returns ``{peft_type:
+    factory}`` (``{"LORA": LoRA}``); the factory takes the engine and returns a
+    :class:`zoo.adapters.AdapterKind`, which loads the adapters of that type
+    and is registered as a plugin, so its hook implementations run too.
+    Contribute; a type served twice is an error.
+    """
+
+
 # ----------------------------------------------------------------------------
 # Requests: when a request enters the engine
 # ----------------------------------------------------------------------------
@@ -163,6 +176,17 @@ def zoo_prompt_transform(request: "Request") -> None:
     tokens). The rewritten prompt is what counts against ``max_model_len`` and
     the KV cache; ``request.input_token_ids`` keeps what the user sent, for
     the output. Raise ``zoo.RequestError`` to reject the request.
+    """
+
+
+@hookspec(firstresult=True)
+def zoo_request_table_size(request: "Request") -> int | None:
+    """How many ids past the vocabulary this request's prompt may hold.
+
+    Runs once per request, before the core checks its token ids. Id
+    ``vocab_size + i`` stands for row ``i`` of a per-request embedding table
+    that the plugin writes in ``zoo_embed_modify`` (TensorRT-LLM's prompt
+    table; prompt tuning's virtual tokens). firstresult; default 0.
     """
 
 

@@ -43,6 +43,7 @@ class RequestIntake:
             self._check_fields(request)
             request.input_token_ids = self._tokens(prompt, prompt_token_ids)
             request.prompt_token_ids = list(request.input_token_ids)
+            self.engine.adapters.check(request)
             self.hooks.zoo_prompt_transform(request=request)
             self._check(request)
             self._admit(request)
@@ -81,9 +82,11 @@ class RequestIntake:
     def _check(self, request: Request) -> None:
         engine, prompt = self.engine, request.prompt_token_ids
         vocab = engine.description.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        table = self.hooks.zoo_request_table_size(request=request) or 0
+        bad = [t for t in prompt if not 0 <= t < vocab + table]
         if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                               + (f" and the request's prompt table [{vocab}, {vocab + table})" if table else ""))
         if len(prompt) >= engine.max_model_len:
             added = len(prompt) - len(request.input_token_ids)
             raise RequestError(f"the prompt has {len(prompt)} tokens" + (f" ({added} added by plugins)" if added else "")
@@ -105,7 +108,8 @@ class RequestIntake:
             raise RequestError(f"the prompt's bidirectional context has {prefix} tokens, more than one step "
                                f"computes (runtime.max_num_batched_tokens={budget}); raise it")
         request.bidirectional_prefix = prefix
-        parts = [p for p in self.hooks.zoo_request_cache_key(request=request) if p is not None]
+        parts = [p for p in self.hooks.zoo_request_cache_key(request=request) + [self.engine.adapters.cache_key(request)]
+                 if p is not None]
         if prefix:
             parts.append(("bidirectional", tuple(request.prompt_token_ids[:prefix])))
         request.cache_key = tuple(sorted(parts, key=repr))

@@ -61,21 +61,37 @@ class LLM:
     checkpoint. ``model`` picks the config option of ``conf/model`` and
     ``decoding`` one of ``conf/decoding`` (``"medusa"``); keyword arguments set
     ``runtime.*`` keys; ``overrides`` are Hydra overrides as on the command line;
-    ``plugins`` are extra plugin objects to register.
+    ``plugins`` are extra plugin objects to register; ``adapters`` maps names to
+    PEFT adapter folders (LoRA, prompt tuning) that requests select with
+    ``{"adapter": name}``.
     """
 
     def __init__(self, path: str | None = None, *, model: str = "llama", decoding: str = "none",
-                 overrides: list[str] = (), plugins: list = (), config=None, **runtime):
+                 overrides: list[str] = (), plugins: list = (), config=None, adapters: dict | None = None,
+                 **runtime):
         if config is None:
             items = [f"model={model}", f"decoding={decoding}"]
             if path is not None:
                 items.append(f"model.path={path}")
+            items += [f"+adapters.{name}={folder}" for name, folder in (adapters or {}).items()]
             items += [f"runtime.{k}={'null' if v is None else v}" for k, v in runtime.items()]
             config = compose_config(items + list(overrides))
         self.config = config
         self.engine = Engine(config, extra_plugins=plugins)
         self.tokenizer = self.engine.tokenizer
         self.default_params = SamplingParams.from_dict(to_plain(config.get("sampling") or {}))
+
+    def add_adapter(self, name: str, path) -> None:
+        """Load a PEFT adapter folder under ``name`` while the engine runs; a ZooError says what is wrong."""
+        self.engine.adapters.add(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter; refused while a request that names it is waiting or running."""
+        scheduler = self.engine.scheduler
+        users = [r for r in [*scheduler.waiting, *scheduler.running] if r.extras.get("adapter") == name]
+        if users:
+            raise ZooError(f"adapter {name!r} is in use by {len(users)} unfinished request(s)")
+        self.engine.adapters.remove(name)
 
     def _submit(self, prompts, sampling_params) -> list[Request]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

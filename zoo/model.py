@@ -382,7 +382,9 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden_size]``, for the forward context's step."""
         context = get_forward_context()
-        hidden = self.model.embed_tokens(input_ids)
+        # Ids past the vocabulary are rows of a per-request table (prompt tuning's virtual tokens, TensorRT-LLM's
+        # convention): any in-range embedding stands in until zoo_embed_modify writes the row.
+        hidden = self.model.embed_tokens(input_ids.clamp(max=self.model.embed_tokens.num_embeddings - 1))
         if self.model.embed_positions is not None:
             hidden = hidden + self.model.embed_positions(positions[0])
         if self.hooks is not None:

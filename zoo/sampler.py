@@ -92,7 +92,9 @@ class Sampler:
                 continue  # nothing to apply: skip reading the history
             row, history = logits[i], histories[i]
             if params.repetition_penalty != 1.0 and history:
-                seen = torch.tensor(sorted(set(history)), device=row.device)
+                # Ids past the vocabulary (a prompt table's rows) are not tokens the model can repeat.
+                seen = torch.tensor(sorted(t for t in set(history) if t < row.shape[0]), device=row.device,
+                                    dtype=torch.long)
                 values = row[seen]
                 row[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                         values * params.repetition_penalty)

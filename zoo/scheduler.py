@@ -37,8 +37,12 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 admits=None):
+        """``admits(request, step_requests)``: whether a request may join a step already holding those
+        (a step has room for only so many distinct LoRA adapters); one it keeps out waits for a later step."""
         self.blocks = block_manager
+        self.admits = admits or (lambda request, step: True)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -65,6 +69,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not self.admits(request, [e.request for e in scheduled]):
+                decodes_after -= request.num_tokens - request.num_computed_tokens == 1
+                i += 1
+                continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             decodes_after -= request.num_tokens - request.num_computed_tokens == 1
             draft = drafts.get(request.request_id)
@@ -87,6 +95,8 @@ class Scheduler:
         # Admitting new work right after a preemption would only preempt again.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
+            if not self.admits(request, [e.request for e in scheduled]):
+                break  # in arrival order: it goes first once the step has room for it
             if not request.block_ids:
                 self.blocks.allocate_cached_prefix(request)
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)

@@ -55,6 +55,7 @@ def summary(engine) -> str:
         lines.append(f"decoding {engine.config['decoding']['name']}: mean accepted length "
                      f"{s.generated_tokens / max(s.token_steps, 1):.2f} tokens per step; acceptance by draft depth "
                      f"{acceptance}")
+    lines += engine.adapters.lines()
     if engine.profile_peak_bytes:
         lines.append(f"GPU memory: a full step peaked at {engine.profile_peak_bytes / 2**30:.2f} GiB before the KV "
                      f"cache; CUDA graphs {'on' if engine.uses_cuda_graphs else 'off'}")
