@@ -3,13 +3,15 @@
 #
 # Run from the repository root, with the git-ignored folder .carry/ carried along:
 #   .carry/wheels/    hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3 (the device has no network
-#                     and lacks them); pluggy, setuptools, wheel (installed only where the device's are missing or old)
+#                     and lacks them); pluggy, setuptools, wheel (installed only where the device's are missing or old);
+#                     peft, accelerate, psutil (the adapter tests' peer; installed only where missing)
 #   .carry/base/      `git archive <base commit>` of this repository
 #   .carry/gpt_fast/  shared/anchors/gpt_fast (only for the optional `anchor` part)
 #
 #   bash bench/gpu_session.sh --quick        install, then import zoo and list its plugins for both trees
-#   bash bench/gpu_session.sh [PART ...]     PART: gpu cpu tests anchor spec; default: gpu cpu tests
+#   bash bench/gpu_session.sh [PART ...]     PART: gpu cpu tests anchor spec lora; default: gpu cpu tests
 #                                            `spec` = bench/speculative_gpu.py (SPEC_ARGS, SPEC_CAP_S)
+#                                            `lora` = bench/lora_gpu.py (LORA_ARGS, LORA_CAP_S)
 #                                            `bench` = gpu cpu
 #
 # Both trees are installed the same way for the benchmarks: non-editable, with --no-deps, into their own
@@ -50,7 +52,7 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec) PARTS+=("$a") ;;
+    gpu|cpu|tests|anchor|spec|lora) PARTS+=("$a") ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -110,6 +112,11 @@ sys.exit(not (int(setuptools.__version__.split('.')[0]) >= 64
               and (find_spec('wheel') or find_spec('setuptools.command.bdist_wheel'))))"; then
     "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" --no-cache-dir setuptools==80.9.0 wheel==0.45.1 || return 1
   fi
+  # peft, the peer of the adapter tests (with accelerate and psutil where the device lacks them)
+  for pkg in psutil accelerate peft; do
+    "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --no-index --no-deps --find-links "$ROOT/.carry/wheels" \
+      --no-cache-dir "$pkg" || echo "note: $pkg not installed (the adapter tests need peft)"
+  done
   "$PY" -c "import hydra, omegaconf, antlr4, pluggy, setuptools; print('hydra', hydra.__version__, 'omegaconf', omegaconf.__version__, 'pluggy', pluggy.__version__, 'setuptools', setuptools.__version__)"
 }
 # install_deps_target: the fallback where the interpreter's site-packages cannot be written: the same wheels
@@ -243,6 +250,14 @@ if want spec; then
   # shellcheck disable=SC2086
   run_part "speculative_gpu" "${SPEC_CAP_S:-540}" "$OUT/spec/spec.log" \
     with_tree current "$PY" "$ROOT/bench/speculative_gpu.py" --out "$OUT/spec" ${SPEC_ARGS:-}
+fi
+
+# ---------------------------------------------------------------- optional: LoRA decode speed
+if want lora; then
+  mkdir -p "$OUT/lora"
+  # shellcheck disable=SC2086
+  run_part "lora_gpu" "${LORA_CAP_S:-300}" "$OUT/lora/lora.log" \
+    with_tree current "$PY" "$ROOT/bench/lora_gpu.py" --out "$OUT/lora" ${LORA_ARGS:-}
 fi
 
 # ---------------------------------------------------------------- optional: gpt-fast anchor (not in the default)

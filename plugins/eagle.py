@@ -214,7 +214,8 @@ class Eagle(DecodingMethod):
         model = self.engine.model.model
         with forward_context(context):
             rope = (model.rotary, model.rotary.prepare(context.positions, self.engine.dtype))
-            return self.draft(model.embed_tokens(context.buffers["input_ids"]), context.buffers[features], rope)
+            return self.draft(self.engine.model.token_embeddings(context.buffers["input_ids"]),
+                              context.buffers[features], rope)
 
     def _extend_pass(self, context: ForwardContext):
         return (self._forward(context, TARGET_FEATURES),)

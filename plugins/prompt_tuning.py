@@ -105,12 +105,16 @@ class PromptTuning(AdapterKind):
             buffers[TABLE_ROW].copy_(torch.tensor(rows))
 
     @hookimpl
-    def zoo_embed_modify(self, hidden, context):
+    def zoo_embed_modify(self, hidden, context, model):
         if context.batch is None or not self.step_has_rows:
             return  # graph replays (decode-shaped steps) and steps without virtual tokens
         rows = context.buffers[TABLE_ROW]
         virtual = rows >= 0
-        hidden[virtual] = self.stacked[rows[virtual]].to(hidden.dtype)
+        # The row replaces the token embedding that stood in for it; whatever else the embeddings hold
+        # (GPT-2's learned positions) stays, as it does for peft's inputs_embeds.
+        embed = model.model.embed_tokens
+        stand_in = embed(context.buffers["input_ids"][virtual].clamp(max=embed.num_embeddings - 1))
+        hidden[virtual] += self.stacked[rows[virtual]].to(hidden.dtype) - stand_in
 
 
 @hookimpl

@@ -54,6 +54,25 @@ def read_peft_folder(path) -> tuple[Path, dict, dict[str, torch.Tensor]]:
     return folder, config, tensors
 
 
+def describe_folder(path) -> str:
+    """One line from a folder's ``adapter_config.json`` alone (no weights read): type, rank, targets."""
+    folder = Path(str(path)).expanduser()
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({folder / CONFIG_FILE}: {type(exc).__name__})"
+    kind = config.get("peft_type", "?")
+    if kind == "LORA":
+        targets = config.get("target_modules")
+        targets = ", ".join(sorted(targets)) if isinstance(targets, list) else targets
+        ranks = sorted({config.get("r")} | set((config.get("rank_pattern") or {}).values()), key=str)
+        return (f"LORA r={'/'.join(map(str, ranks))}, alpha {config.get('lora_alpha')}"
+                f"{', rslora' if config.get('use_rslora') else ''}, targets {targets}")
+    if kind == "PROMPT_TUNING":
+        return f"PROMPT_TUNING {config.get('num_virtual_tokens')} virtual tokens"
+    return kind
+
+
 class AdapterKind:
     """What a plugin does for one PEFT type. Built once per engine, before the weights load; the
     registry registers it as a plugin too, so its hook implementations run like any plugin's."""
@@ -132,7 +151,7 @@ class Adapters:
 
     def check(self, request) -> None:
         name = request.extras.get("adapter")
-        if name is None or name in self.entries:
+        if name is None or name in self.entries or not self.kinds:  # no kinds: a third-party plugin's field
             return
         if name in self.failed:
             raise RequestError(f"adapter {name!r} could not be loaded: {self.failed[name]}")

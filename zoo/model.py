@@ -382,9 +382,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden_size]``, for the forward context's step."""
         context = get_forward_context()
-        # Ids past the vocabulary are rows of a per-request table (prompt tuning's virtual tokens, TensorRT-LLM's
-        # convention): any in-range embedding stands in until zoo_embed_modify writes the row.
-        hidden = self.model.embed_tokens(input_ids.clamp(max=self.model.embed_tokens.num_embeddings - 1))
+        hidden = self.token_embeddings(input_ids)
         if self.model.embed_positions is not None:
             hidden = hidden + self.model.embed_positions(positions[0])
         if self.hooks is not None:
@@ -397,6 +395,11 @@ class DecoderModel(nn.Module):
             if i in self.captured_layers:
                 context.layer_outputs[i] = hidden + residual
         return add_norm(self.model.norm, hidden, residual)[0]
+
+    def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Ids past the vocabulary are rows of a per-request table (prompt tuning's virtual tokens, TensorRT-LLM's
+        # convention): an in-range embedding stands in until zoo_embed_modify writes the row.
+        return self.model.embed_tokens(input_ids.clamp(max=self.model.embed_tokens.num_embeddings - 1))
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single matrix products where the layers are still plain."""

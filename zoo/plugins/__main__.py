@@ -3,6 +3,7 @@
     python -m zoo.plugins                        # the default config (embedded Llama)
     python -m zoo.plugins model=gpt2
     python -m zoo.plugins model=qwen2_vl model.path=/ckpt/Qwen2-VL-2B
+    python -m zoo.plugins +adapters.sql=/adapters/sql   # also lists the adapters: type, rank, targets
 """
 
 import sys
@@ -40,6 +41,13 @@ def main(argv: list[str]) -> int:
         if row:
             print(f"  module: {row['module']}\n  from: {row['distribution']}\n"
                   f"  hooks: {', '.join(row['hooks']) or '(none)'}")
+    adapters = config.get("adapters") or {}
+    if adapters:
+        from zoo.adapters import describe_folder
+
+        print("\nadapters:")
+        for name in adapters:
+            print(f"  {name}: {describe_folder(adapters[name])} ({adapters[name]})")
     return 0
 
 
