@@ -284,3 +284,15 @@ def test_virtual_tokens_placed_in_the_prompt_index_the_table(families):
     assert "outside the vocabulary [0, 300)" in out[1].error
     assert "outside the vocabulary [0, 300) and the request's prompt table [300, 305)" in out[2].error
     assert "a prompt's last token must be a vocabulary token" in out[3].error
+
+
+def test_zoo_plugins_lists_the_adapters(families):
+    family = families["llama"]
+    proc = subprocess.run([sys.executable, "-m", "zoo.plugins", f"model.path={family.folder}",
+                           f"+adapters.r8={family.adapters['r8']}", f"+adapters.prompt={family.adapters['prompt']}"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "lora: ACTIVE (adapters is set)" in proc.stdout
+    assert ("r8: LORA r=8, alpha 16, rslora, targets down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+            in proc.stdout)
+    assert "prompt: PROMPT_TUNING 5 virtual tokens" in proc.stdout
