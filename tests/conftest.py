@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from zoo import hookimpl
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Parity is checked in float32; ZOO_DEVICE=cuda runs the same suite on a GPU.
@@ -84,3 +86,16 @@ def prompt_set(seed: int = 0) -> list[list[int]]:
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 33, 11)]
     prompts += [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 14)]
     return prompts
+
+
+class StepRecorder:
+    """A plugin that keeps ``see(batch)`` for every step the engine prepares."""
+
+    name = "step_recorder"
+
+    def __init__(self, see):
+        self.see, self.steps = see, []
+
+    @hookimpl
+    def zoo_step_prepare(self, batch):
+        self.steps.append(self.see(batch))

@@ -21,8 +21,8 @@ import pytest
 import torch
 from peft import LoraConfig, PromptTuningConfig, get_peft_model
 
-from conftest import make_checkpoint, prompt_set
-from zoo import LLM, SamplingParams, ZooError, hookimpl
+from conftest import StepRecorder, make_checkpoint, prompt_set
+from zoo import LLM, SamplingParams, ZooError
 
 MAX_NEW = 8
 LOGPROB_TOL = 1e-4  # fp32: zoo's log-probability of each chosen token against peft's
@@ -118,23 +118,10 @@ def test_a_mixed_batch_gives_peft_tokens_request_by_request(families, name):
     assert "adapter r8: LORA r=8, alpha 16, rslora" in summary and "adapter prompt: PROMPT_TUNING 5 virtual tokens" in summary
 
 
-class StepAdapters:
-    """The distinct adapters of every step."""
-
-    name = "step_adapters"
-
-    def __init__(self):
-        self.steps = []
-
-    @hookimpl
-    def zoo_step_prepare(self, batch):
-        self.steps.append({e.request.extras.get("adapter") for e in batch.scheduled} - {None})
-
-
 def test_chunked_prefill_preemption_and_eviction(families):
     """Small steps, a cache that forces preemption, one device slot and one host copy: the same tokens."""
     family = families["llama"]
-    steps = StepAdapters()
+    steps = StepRecorder(lambda batch: {e.request.extras.get("adapter") for e in batch.scheduled} - {None})
     llm = family.llm(max_num_batched_tokens=16, num_kv_blocks=16, block_size=4, max_num_seqs=6, max_loras=1,
                      max_cpu_loras=1, plugins=[steps])
     check_against_peft(family, llm, prompt_set()[:3], logprobs=False)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, prompt_set
+from conftest import StepRecorder, hf_greedy, prompt_set
 from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
-from zoo import LLM, SamplingParams, hookimpl
+from zoo import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -114,18 +114,10 @@ def test_verify_steps_replay_as_graphs(checkpoints, dtype, method):
     print(f"{method} {dtype}: {near_ties} of {len(prompts)} sequences parted at a near-tie")
 
 
-class DraftRecorder:
+def draft_recorder() -> StepRecorder:
     """The draft blocks each verify step carries, in batch order."""
-
-    name = "draft_recorder"
-
-    def __init__(self):
-        self.blocks = []
-
-    @hookimpl
-    def zoo_step_prepare(self, batch):
-        self.blocks.append([(e.request.request_id, e.draft.tokens, e.draft.parents)
-                            for e in batch.scheduled if e.draft is not None])
+    return StepRecorder(lambda batch: [(e.request.request_id, e.draft.tokens, e.draft.parents)
+                                       for e in batch.scheduled if e.draft is not None])
 
 
 @pytest.mark.parametrize("version", [1, 3])
@@ -170,9 +162,9 @@ def test_trained_drafts_are_the_same_with_graphs_and_eager(method, family):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     runs = {}
     for mode in ("graphs", "eager"):
-        drafts = DraftRecorder()
+        drafts = draft_recorder()
         llm = LLM(decoding=method, plugins=[drafts], device="cuda", dtype="float32", enforce_eager=mode == "eager")
-        runs[mode] = ([o.token_ids for o in llm.generate(prompts, params)], drafts.blocks)
+        runs[mode] = ([o.token_ids for o in llm.generate(prompts, params)], drafts.steps)
         assert (llm.engine.runner.graphs.replays.get(family, 0) > 0) == (mode == "graphs")
     assert runs["graphs"] == runs["eager"]
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from conftest import hf_greedy, prompt_set
+from conftest import StepRecorder, hf_greedy, prompt_set
 from test_parity import LogitsRecorder
 from zoo import LLM, DecodingMethod, DraftBlock, SamplingParams, hookimpl
 
@@ -346,26 +346,13 @@ def test_drafting_stops_above_disable_by_batch_size(method):
         assert bool(llm.engine.stats.drafted_depth) == drafts
 
 
-class DraftSizes:
-    """The draft tokens of each request in each verify step."""
-
-    name = "draft_sizes"
-
-    def __init__(self):
-        self.steps = []
-
-    @hookimpl
-    def zoo_step_prepare(self, batch):
-        self.steps.append([len(e.draft.tokens) for e in batch.scheduled if e.draft is not None])
-
-
 @pytest.mark.parametrize("method", ["medusa", "eagle", "lookahead"])
 def test_draft_tokens_per_step_are_shared_by_the_decoding_requests(method):
     """With four requests decoding, a 12-token step budget leaves each at most 3 drafts; tokens stay exact."""
     prompts = ["def main():", "import os", "class A:", "x = ["]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = LLM().generate(prompts, params)
-    sizes = DraftSizes()
+    sizes = StepRecorder(lambda batch: [len(e.draft.tokens) for e in batch.scheduled if e.draft is not None])
     llm = LLM(decoding=method, plugins=[sizes], overrides=["decoding.draft_tokens_per_step=12"])
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
     full = [step for step in sizes.steps if len(step) == 4]
