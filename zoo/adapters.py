@@ -161,14 +161,13 @@ class Adapters:
         adapter = self.of(request)
         return None if adapter is None else ("adapter", adapter.name, adapter.generation)
 
-    def admits(self, request, scheduled: list) -> bool:
-        """Whether ``request`` fits a step holding ``scheduled``: its kind's distinct adapters stay within
-        ``max_per_step``."""
+    def step_resource(self, request):
+        """For the scheduler: ``(kind, name, max_per_step)`` when the request's adapter kind limits the
+        distinct adapters of a step (LoRA's device slots), else None."""
         adapter = self.of(request)
         if adapter is None or adapter.kind.max_per_step is None:
-            return True
-        names = {a.name for a in (self.of(r) for r in scheduled) if a is not None and a.kind is adapter.kind}
-        return adapter.name in names or len(names) < adapter.kind.max_per_step
+            return None
+        return adapter.kind.peft_type, adapter.name, adapter.kind.max_per_step
 
     def lines(self) -> list[str]:
         return [f"adapter {a.name}: {a.description} ({a.folder})" for a in self.entries.values()]

@@ -53,7 +53,7 @@ class Engine:
         self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime["enable_prefix_caching"]),
                                    self.setup.cache_lookahead)
         self.scheduler = Scheduler(self.blocks, int(runtime["max_num_seqs"]), int(runtime["max_num_batched_tokens"]),
-                                   admits=self.adapters.admits)
+                                   step_resource=self.adapters.step_resource)
         self.sampler = Sampler(self.hooks, self, int(runtime["seed"]), self.device, self.description.eos_token_ids)
         self.stats = EngineStats()
         self.intake = RequestIntake(self)

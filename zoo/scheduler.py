@@ -38,11 +38,12 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 admits=None):
-        """``admits(request, step_requests)``: whether a request may join a step already holding those
-        (a step has room for only so many distinct LoRA adapters); one it keeps out waits for a later step."""
+                 step_resource=None):
+        """``step_resource(request)``: None, or ``(pool, item, capacity)`` when the request needs ``item``
+        from a pool a step holds at most ``capacity`` distinct items of (LoRA adapters in device slots);
+        a request whose item does not fit waits for a later step."""
         self.blocks = block_manager
-        self.admits = admits or (lambda request, step: True)
+        self.step_resource = step_resource or (lambda request: None)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -66,10 +67,11 @@ class Scheduler:
         preempted = False
         # Every decoding request's own token comes before any draft: drafts share what is left.
         decodes_after = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        held: dict = {}  # pool -> the distinct items this step holds
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if not self.admits(request, [e.request for e in scheduled]):
+            if not self._fits(request, held):
                 decodes_after -= request.num_tokens - request.num_computed_tokens == 1
                 i += 1
                 continue
@@ -95,7 +97,7 @@ class Scheduler:
         # Admitting new work right after a preemption would only preempt again.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
-            if not self.admits(request, [e.request for e in scheduled]):
+            if not self._fits(request, held):
                 break  # in arrival order: it goes first once the step has room for it
             if not request.block_ids:
                 self.blocks.allocate_cached_prefix(request)
@@ -117,6 +119,19 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _fits(self, request: Request, held: dict) -> bool:
+        """Whether the request's step resource fits; if so it is counted as held (the request is about to
+        be scheduled, and one that is then preempted only leaves an item unused this step)."""
+        need = self.step_resource(request)
+        if need is None:
+            return True
+        pool, item, capacity = need
+        items = held.setdefault(pool, set())
+        if item not in items and len(items) >= capacity:
+            return False
+        items.add(item)
+        return True
 
     def _draft_within_free_slots(self, entry: ScheduledRequest) -> DraftBlock | None:
         request = entry.request
