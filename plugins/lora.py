@@ -8,8 +8,9 @@ columns, zero-padded to ``runtime.max_lora_rank``. A step computes
 ``((x @ shrink) * columns) @ expand``, where ``columns`` keeps, for every
 token, only its own adapter's columns (none for a base request): eight
 adapters in one step cost one pass, the Punica/S-LoRA idea in two dense
-products, and the buffers are static, so decode steps stay CUDA graphs. An
-eager step with no LoRA request skips the products.
+products, and the buffers are static, so decode steps stay CUDA graphs. A step
+with no LoRA request skips the products: eagerly, and under CUDA graphs by
+replaying the plain graphs (the products are captured in a ``lora`` variant).
 
 ``runtime.max_loras`` adapters sit in device slots and ``runtime.max_cpu_loras``
 in host memory (LRU; an evicted adapter is read again from its folder); the
@@ -40,6 +41,7 @@ from zoo.step import BufferSpec
 
 zoo_scope = Scope(config_key="adapters")
 COLUMNS = "lora_columns"  # per token: 1 on its adapter's slot columns, 0 elsewhere
+VARIANT = "lora"  # the decode and verify graphs that compute the products; the plain ones skip them
 PREFIX = "base_model.model."
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -57,8 +59,9 @@ class LoRAProjection(LinearWrapper):
     def delta(self, x: torch.Tensor):
         context = get_forward_context()
         columns = context.buffers.get(COLUMNS)
-        if columns is None or (context.batch is not None and not self.kind.step_has_lora):
-            return 0  # a pass outside the engine's steps, or an eager step of base requests only
+        wanted = context.graph_variant == VARIANT if context.batch is None else self.kind.step_has_lora
+        if columns is None or not wanted:
+            return 0  # base requests only (an eager step or the plain graphs), or a pass outside the steps
         return ((x @ self.shrink) * columns) @ self.expand
 
 
@@ -185,16 +188,21 @@ class LoRA(AdapterKind):
     def zoo_engine_start(self, setup):
         setup.add_buffer(BufferSpec(COLUMNS, (setup.limits.max_num_tokens, self.max_per_step * self.max_rank),
                                     dtype=self.engine.dtype))
+        if self.wrappers:
+            setup.add_graph_variant(VARIANT, lambda scheduled: any(self._name(e.request) for e in scheduled))
+
+    def _name(self, request) -> str | None:
+        """The request's adapter if it is a LoRA, else None."""
+        adapter = self.engine.adapters.of(request)
+        return adapter.name if adapter is not None and adapter.kind is self else None
 
     @hookimpl
     def zoo_step_prepare(self, batch, buffers):
         self.steps += 1
-        names = [a.name if a is not None and a.kind is self else None
-                 for a in (self.engine.adapters.of(e.request) for e in batch.scheduled)]
+        names = [self._name(e.request) for e in batch.scheduled]
         self.step_has_lora = any(names)
         if not self.step_has_lora:
-            buffers[COLUMNS].zero_()
-            return
+            return  # such a step skips the products (eagerly, or in the plain graphs): the columns go unread
         slot_of = {name: self._slot(name, set(names)) for name in dict.fromkeys(n for n in names if n)}
         slots = torch.tensor(batch.per_token([slot_of[n] if n else -1 for n in names], fill=-1))
         column_slot = torch.arange(self.max_per_step * self.max_rank) // self.max_rank

@@ -8,6 +8,12 @@ A step fills the buffers as any step does; sequences past the real batch
 become dummies that write to the scratch KV block, and the graph captured for
 the next larger size replays. Everything a pass reads (the forward context
 included) is a view of those buffers, so the graph sees each step's values.
+
+A plugin whose work inside the model only some steps need (LoRA's products,
+for steps with an adapter request) adds a variant: the model's own families
+are captured once more with ``context.graph_variant`` set to its name, and a
+step replays that variant when the plugin's predicate holds for it, the plain
+graphs otherwise.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ class DecodeGraphs:
         self.families: dict[str, GraphFamily] = {"decode": GraphFamily("decode", 1, False, self._model_body)}
         if runner.limits.max_draft_tokens:
             self.add(GraphFamily("verify", 1 + runner.limits.max_draft_tokens, True, self._model_body))
-        self.graphs: dict[tuple[str, int], tuple] = {}  # (family, size) -> (graph, outputs)
-        self.replays: dict[str, int] = {}  # family -> replays, to tell which ran
+        self.graphs: dict[tuple, tuple] = {}  # (family, size[, variant]) -> (graph, outputs)
+        self.replays: dict[str, int] = {}  # family (+variant) -> replays, to tell which ran
+        self.variants: dict[str, Callable] = {}  # name -> predicate on a step's scheduled requests
 
     def add(self, family: GraphFamily) -> None:
         if family.name in self.families:
@@ -47,6 +54,11 @@ class DecodeGraphs:
         if family.tree and not self.runner.limits.max_draft_tokens:
             raise ValueError(f"graph family {family.name!r} reads draft visibility, which plain decoding lacks")
         self.families[family.name] = family
+
+    def add_variant(self, name: str, when: Callable) -> None:
+        if name in self.variants:
+            raise ValueError(f"graph variant {name!r} is declared twice")
+        self.variants[name] = when
 
     def batch_sizes(self, stride: int = 1) -> list[int]:
         # A pass runs `stride` tokens per sequence, so none is wider than the token budget either.
@@ -60,7 +72,10 @@ class DecodeGraphs:
         runner, device = self.runner, self.runner.device
         pool = None
         stream = torch.cuda.Stream(device)
-        for family in self.families.values():
+        captures = [(family, None) for family in self.families.values()]
+        captures += [(family, variant) for variant in self.variants for family in self.families.values()
+                     if family.body == self._model_body]
+        for family, variant in captures:
             stride = family.stride
             for size in reversed(self.batch_sizes(stride)):
                 self.pad_rows(0, size, stride)
@@ -68,7 +83,7 @@ class DecodeGraphs:
                 meta = runner.attention_metadata(size * stride, size, stride, runner.limits.max_blocks_per_seq,
                                                  family.tree, True)
                 meta.block_tables = runner.buffers["block_tables"][:size]  # full width: any context length fits
-                context = ForwardContext(meta, buffers, None)
+                context = ForwardContext(meta, buffers, None, graph_variant=variant)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream), torch.inference_mode():
                     family.body(context)  # warm-up: compiles kernels, fills caches
@@ -78,7 +93,7 @@ class DecodeGraphs:
                 with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
                     outputs = family.body(context)
                 pool = graph.pool()
-                self.graphs[family.name, size] = (graph, outputs)
+                self.graphs[(family.name, size) + ((variant,) if variant else ())] = (graph, outputs)
         torch.cuda.synchronize(device)
 
     def _model_body(self, context: ForwardContext):
@@ -93,18 +108,20 @@ class DecodeGraphs:
         return next((size for size in self.batch_sizes(stride)
                      if size >= num_seqs and (family, size) in self.graphs), None)
 
-    def key_for(self, scheduled) -> tuple[str, int] | None:
-        """The (family, size) a model step replays, or None to run eagerly."""
+    def key_for(self, scheduled) -> tuple | None:
+        """The (family, size[, variant]) a model step replays, or None to run eagerly."""
         if not self.graphs or any(e.num_tokens != 1 or not e.samples for e in scheduled):
             return None
         family = "verify" if any(e.draft is not None for e in scheduled) else "decode"
         size = self.size_for(family, len(scheduled))
-        return None if size is None else (family, size)
+        variant = next((name for name, when in self.variants.items() if when(scheduled)), None)
+        return None if size is None else (family, size) + ((variant,) if variant else ())
 
-    def replay(self, family: str, size: int) -> tuple:
-        graph, outputs = self.graphs[family, size]
+    def replay(self, family: str, size: int, variant: str | None = None) -> tuple:
+        graph, outputs = self.graphs[(family, size) + ((variant,) if variant else ())]
         graph.replay()
-        self.replays[family] = self.replays.get(family, 0) + 1
+        name = family + (f"+{variant}" if variant else "")
+        self.replays[name] = self.replays.get(name, 0) + 1
         return outputs
 
     def pad_rows(self, real: int, size: int, stride: int = 1) -> None:

@@ -62,6 +62,15 @@ class EngineSetup:
         except ValueError as exc:
             raise ZooError(str(exc)) from None
 
+    def add_graph_variant(self, name: str, when) -> None:
+        """Capture the model's decode and verify graphs once more with ``context.graph_variant = name``;
+        a step for which ``when(scheduled)`` holds replays those. For work inside the model that only some
+        steps need (LoRA's products): the plain graphs skip it, so steps without it cost nothing extra."""
+        try:
+            self.runner.graphs.add_variant(name, when)
+        except ValueError as exc:
+            raise ZooError(str(exc)) from None
+
     def add_kv_layers(self, modules: list[nn.Module]) -> None:
         """Give attention modules (a draft model's) cache layers from the model's block pool.
 

@@ -35,6 +35,7 @@ class ForwardContext:
     batch: "StepBatch | None"  # the scheduled requests; None while a CUDA graph is captured
     # Outputs of the decoder layers that plugins asked for at engine start, by layer index.
     layer_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    graph_variant: str | None = None  # while a graph is captured: the variant it is for (zoo.cuda_graphs)
 
     @property
     def positions(self) -> torch.Tensor:

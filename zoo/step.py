@@ -34,7 +34,7 @@ class StepBatch:
     logits_rows: list[list[int]] = field(default_factory=list)  # per request: rows of the step's logits
     logits_indices: list[int] = field(default_factory=list)  # token row of each logits row
     attention: AttentionMetadata | None = None  # None when a captured graph runs the step
-    graph: tuple[str, int] | None = None  # the captured (graph family, batch size) it replays, or None
+    graph: tuple | None = None  # the captured (graph family, batch size[, variant]) it replays, or None
 
     @property
     def sizes(self) -> dict[str, int]:
