@@ -91,13 +91,16 @@ class PromptTuning(AdapterKind):
 
     @hookimpl
     def zoo_step_prepare(self, batch, buffers):
+        self.step_has_rows = False
+        if not self.tables:
+            return
         vocab, rows = self.engine.description.vocab_size, [-1] * batch.num_tokens
         for entry, offset in zip(batch.scheduled, batch.token_offsets):
             name = self._table_of(entry.request)
-            if name is None:
-                continue
-            tokens = entry.request.token_ids[entry.start:entry.start + entry.num_tokens]
-            for j, token in enumerate(tokens):
+            if name is None or entry.start >= len(entry.request.prompt_token_ids):
+                continue  # virtual tokens sit in prompts only
+            for j in range(entry.num_tokens):
+                token = entry.request.token_at(entry.start + j)
                 if token >= vocab:
                     rows[offset + j] = self.offsets[name] + token - vocab
         self.step_has_rows = any(r >= 0 for r in rows)
