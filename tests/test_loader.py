@@ -86,7 +86,7 @@ def test_cli_random_init_embedded_model_says_so(tmp_path):
                           env={**os.environ})
     assert proc.returncode == 0, proc.stderr
     assert "RANDOM-INIT" in proc.stderr
-    assert proc.stdout.startswith("[0] ")
+    assert proc.stdout.startswith("[1] ")  # a single prompt is request 1
     for fragment in ("requests: 1", "prompt tokens: 6", "generated tokens: 8", "time to first token",
                      "prefill:", "decode:", "KV blocks:"):
         assert fragment in proc.stderr, fragment

@@ -21,6 +21,7 @@ from zoo.request import Request
 from zoo.sampler import Sampler
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import Scheduler
+from zoo.settings import check_settings
 from zoo.stats import EngineStats, summary
 from zoo.step import StepResults
 
@@ -28,6 +29,7 @@ from zoo.step import StepResults
 class Engine:
     def __init__(self, config, extra_plugins=()):
         """``config`` is the composed run config (``conf/``: every key has its default there)."""
+        check_settings(config)
         self.config = config
         runtime = config["runtime"]
         self.plugin_manager = load_plugins(disable=config["plugins"]["disable"] or (), extra=extra_plugins)

@@ -2,12 +2,26 @@
 
     python -m zoo.run prompt="Hello"
     python -m zoo.run model=gpt2 model.path=/ckpt input.file=requests.jsonl output.format=jsonl
+    python -m zoo.run input.file=big.jsonl output.file=out.jsonl output.format=jsonl input.resume=true
+
+Settings are checked before anything loads. Each record is written as its
+request finishes (flushed; a request's id is its ``id`` field, else its line
+number in ``input.file``), a progress bar runs on a terminal, and Ctrl-C or
+SIGTERM stops with every finished record written.
+
+Exit status: 0 every request succeeded; 2 a setting, the input or the model
+is bad (nothing ran); 3 the run finished but some requests failed (their
+records say why); 130 stopped by Ctrl-C, 143 by SIGTERM.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
+import unicodedata
 from pathlib import Path
 
 import hydra
@@ -15,15 +29,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from zoo.config import cli_main
 from zoo.errors import ZooError
-from zoo.llm import LLM
+from zoo.settings import check_settings
+
+EXIT_FAILED_REQUESTS, EXIT_SIGINT, EXIT_SIGTERM = 3, 130, 143
 
 
 def read_jsonl(path: Path, key: str) -> list[dict]:
-    """Each non-blank line's JSON object; a line that is not one becomes ``{"_error": message}``."""
+    """Each non-blank line's JSON object, with ``_line`` (1-based); a bad line becomes ``{"_error": ...}``."""
     try:
         lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ZooError(f"cannot read {key}={path}: {exc.strerror}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ZooError(f"cannot read {key}={path}: {getattr(exc, 'strerror', None) or exc}") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -34,46 +50,166 @@ def read_jsonl(path: Path, key: str) -> list[dict]:
             record = {"_error": f"line {number} of {path} is not valid JSON: {exc.msg}"}
         if not isinstance(record, dict):
             record = {"_error": f"line {number} of {path} must be a JSON object"}
+        elif "prompt" in record and "prompt_ids" in record:
+            record = {"_error": f"line {number} of {path} has both prompt and prompt_ids; give one", "id": record.get("id")}
+        record["_line"] = number
         records.append(record)
     return records
 
 
-def read_requests(cfg: DictConfig) -> list:
+def read_requests(cfg: DictConfig) -> list[dict]:
+    """The run's requests, each with its output id (``id``, else its line number; 1 for a single prompt)."""
     if cfg.input.file:
         path = Path(cfg.input.file)
         records = read_jsonl(path, "input.file")
         if not records:
             raise ZooError(f"input.file={path} holds no requests")
-        return records
-    if cfg.prompt is not None:
-        return [{"prompt": str(cfg.prompt)}]
-    return [{"prompt": "Once upon a time"}]
+    else:
+        records = [{"prompt": str(cfg.prompt) if cfg.prompt is not None else "Once upon a time", "_line": 1}]
+    for record in records:
+        if record.get("id") is None:
+            record["id"] = record["_line"]
+    return records
+
+
+def done_ids(path: Path) -> set:
+    """Ids of the records already in an output file; a last line cut short by a kill is dropped from it."""
+    if not path.exists():
+        return set()
+    text = path.read_text()
+    complete, _, partial = text.rpartition("\n")
+    if partial:  # the run was stopped mid-record: keep only whole lines
+        path.write_text(complete + "\n" if complete else "")
+    ids = set()
+    for line in complete.splitlines():
+        try:
+            ids.add(json.dumps(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            raise ZooError(f"input.resume: {path} holds a line that is not a zoo JSONL record; resume needs "
+                           "output.format=jsonl output") from None
+    return ids
+
+
+def printable(text: str) -> str:
+    """Text with control characters (a random model's terminal escapes) shown as escapes; newlines and tabs kept."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
+
+
+class Writer:
+    """Records to stdout or ``output.file``, one whole line per write, flushed as each request finishes."""
+
+    def __init__(self, cfg: DictConfig, resume: bool):
+        self.jsonl = cfg.output.format == "jsonl"
+        path = cfg.output.file
+        self.stream = open(path, "a" if resume else "w", encoding="utf-8") if path else sys.stdout
+        self.written = self.failed = 0
+
+    def write(self, out) -> None:
+        if self.jsonl:
+            line = json.dumps(out.to_json())
+        elif out.error:
+            line = f"[{out.id}] error: {printable(out.error)}"
+        else:
+            line = f"[{out.id}] {printable(out.text)}"
+        self.stream.write(line + "\n")
+        self.stream.flush()
+        self.written += 1
+        self.failed += out.finish_reason == "error"
+
+    def close(self) -> None:
+        if self.stream is not sys.stdout:
+            os.fsync(self.stream.fileno())
+            self.stream.close()
+
+
+class Progress:
+    """requests done / total, tokens/s and ETA on stderr, when it is a terminal (or output.progress=on)."""
+
+    def __init__(self, cfg: DictConfig, total: int):
+        setting = cfg.output.progress
+        show = setting == "on" or (setting == "auto" and sys.stderr.isatty())
+        self.bar = None
+        if show:
+            from tqdm import tqdm  # through huggingface-hub, a runtime dependency
+
+            self.bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+        self.start = time.perf_counter()
+
+    def update(self, done: int, tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done)
+            self.bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - self.start, 1e-9):.0f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Stopped(Exception):
+    def __init__(self, status: int):
+        self.status = status
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped(EXIT_SIGTERM)
 
 
 def run(cfg: DictConfig) -> int:
     try:
-        if cfg.output.format not in ("text", "jsonl"):
-            raise ZooError(f"output.format={cfg.output.format!r} must be text or jsonl")
+        check_settings(cfg, run=True)
+        if cfg.input.resume and not cfg.output.file:
+            raise ZooError("input.resume=true needs output.file (the records to continue from)")
+        records = read_requests(cfg)  # before the model loads: a bad input costs no loading time
+        skip = done_ids(Path(cfg.output.file)) if cfg.input.resume else set()
+        from zoo.llm import LLM
+
         llm = LLM(config=cfg)
-        records = read_requests(cfg)
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine = llm.engine
     print(f"model: {engine.checkpoint.source}", file=sys.stderr)
-    requests = [engine.reject(record["_error"], output_id=index) if "_error" in record else llm._add(record, None, index)
-                for index, record in enumerate(records)]
-    engine.run_until_done()
-    for request in requests:
-        out = llm.output_of(request)
-        if cfg.output.format == "jsonl":
-            print(json.dumps(out.to_json()), flush=True)
-        elif out.error:
-            print(f"[{out.id}] error: {out.error}")
-        else:
-            print(f"[{out.id}] {out.text}")
+    todo = [r for r in records if json.dumps(r["id"]) not in skip]
+    if skip:
+        print(f"resuming: {len(records) - len(todo)} of {len(records)} requests are already in {cfg.output.file}",
+              file=sys.stderr)
+    writer, progress = Writer(cfg, bool(cfg.input.resume)), Progress(cfg, len(todo))
+    # Ctrl-C raises KeyboardInterrupt even where the shell started us with SIGINT ignored (a background job).
+    previous = signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, signal.default_int_handler)
+    status = 0
+    try:
+        pending = {}  # request id -> request, until its record is written
+        for record in todo:
+            request = (engine.reject(record["_error"], output_id=record["id"]) if "_error" in record
+                       else llm._add({k: v for k, v in record.items() if k != "_line"}, None, record["id"]))
+            if request.is_finished:
+                writer.write(llm.output_of(request))
+                progress.update(1, engine.stats.generated_tokens)
+            else:
+                pending[request.request_id] = request
+        while engine.has_work():
+            engine.step()
+            finished = [r for r in pending.values() if r.is_finished]
+            for request in finished:
+                del pending[request.request_id]
+                writer.write(llm.output_of(request))
+            progress.update(len(finished), engine.stats.generated_tokens)
+    except KeyboardInterrupt:
+        status = EXIT_SIGINT
+    except Stopped as stop:
+        status = stop.status
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+        progress.close()
+        writer.close()
+    if status:
+        print(f"stopped: {writer.written} of {len(todo)} requests done, their records written"
+              + (f" to {cfg.output.file}; input.resume=true continues" if cfg.output.file else ""), file=sys.stderr)
+        return status
     print(engine.summary(), file=sys.stderr)
-    return 0
+    print(f"failed requests: {writer.failed} of {len(todo)}", file=sys.stderr)
+    return EXIT_FAILED_REQUESTS if writer.failed else 0
 
 
 @hydra.main(config_path="pkg://zoo_conf", config_name="config", version_base=None)

@@ -94,6 +94,12 @@ def load_plugins(disable: Iterable[str] = (), extra: Iterable[object] = ()) -> p
     for name in sorted((allowed or set()) - known):
         raise ZooError(f"ZOO_PLUGINS names {name!r}, but no installed package provides a zoo plugin of that "
                        f"name (known: {', '.join(sorted(known))})")
+    for name in sorted(disabled - known):
+        import difflib
+
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        raise ZooError(f"plugins.disable names {name!r}, which is no installed plugin"
+                       + (f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(sorted(known))})"))
     for obj in extra:
         name = getattr(obj, "name", None) or getattr(obj, "__name__", None) or type(obj).__name__
         _register(pm, obj, name, "passed in by the caller")

@@ -1,0 +1,140 @@
+"""Every run setting's type, range and choices, in one place, checked before any work starts.
+
+``check_settings(config)`` runs when an engine starts (the CLI and ``zoo.LLM``
+alike) and before ``zoo.run`` reads its input: a bad value is one
+``ZooError`` naming the key, the value and what is allowed, and a key that
+no schema here or in ``conf/`` knows is an error suggesting the nearest
+known one, so a misspelt setting is never silently ignored. The README's
+tables list the same keys; ``python -m zoo.run --cfg job`` shows a run's
+values.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from zoo.errors import ZooError
+
+
+@dataclass(frozen=True)
+class Setting:
+    kind: type | tuple  # int, float, bool, str; (str, None) for an optional string
+    low: float | None = None  # inclusive bounds for numbers
+    high: float | None = None
+    choices: tuple = ()  # allowed values for strings
+    optional: bool = False  # null allowed
+
+    def check(self, key: str, value: Any) -> None:
+        if value is None:
+            if self.optional:
+                return
+            raise ZooError(f"{key}=null: a value is required ({self.describe()})")
+        kind = self.kind
+        ok = (isinstance(value, bool) if kind is bool
+              else isinstance(value, int) and not isinstance(value, bool) if kind is int
+              else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+              else isinstance(value, str))
+        if not ok or (self.choices and value not in self.choices) or (
+                self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            raise ZooError(f"{key}={value!r}: must be {self.describe()}")
+
+    def describe(self) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(map(str, self.choices))
+        else:
+            text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.kind]
+            if self.low is not None and self.high is not None:
+                text += f" in [{self.low}, {self.high}]"
+            elif self.low is not None:
+                text += f" >= {self.low}"
+        return text + (" or null" if self.optional else "")
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+RUNTIME = {
+    "device": Setting(str),  # auto, cpu, cuda, cuda:N: checked against the machine by check_device
+    "dtype": Setting(str, choices=DTYPES),
+    "block_size": Setting(int, 1, 4096),
+    "num_kv_blocks": Setting(int, 1, optional=True),
+    "cpu_kv_cache_gb": Setting(float, 0.001),
+    "gpu_memory_utilization": Setting(float, 0.01, 1.0),
+    "max_num_seqs": Setting(int, 1),
+    "max_num_batched_tokens": Setting(int, 1),
+    "max_model_len": Setting(int, 2, optional=True),
+    "enable_prefix_caching": Setting(bool),
+    "attention_backend": Setting(str, choices=("auto", "sdpa", "triton")),
+    "cuda_graphs": Setting(bool),
+    "fused_ops": Setting(bool),
+    "enforce_eager": Setting(bool),
+    "seed": Setting(int, 0),
+    "max_loras": Setting(int, 1),
+    "max_lora_rank": Setting(int, 1),
+    "max_cpu_loras": Setting(int, 1),
+}
+RUN = {  # zoo.run's own keys
+    "prompt": Setting(str, optional=True),
+    "input.file": Setting(str, optional=True),
+    "input.resume": Setting(bool),
+    "output.format": Setting(str, choices=("text", "jsonl")),
+    "output.file": Setting(str, optional=True),
+    "output.progress": Setting(str, choices=("auto", "on", "off")),
+}
+# Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
+TOP_LEVEL = {"model", "decoding", "runtime", "processor", "experiment", "prompt", "input", "output", "sampling",
+             "plugins", "adapters", "hydra"}
+
+
+def _unknown(key: str, known) -> ZooError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], [k.rsplit(".", 1)[-1] for k in known], n=1)
+    hint = f" (did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?)" if close else ""
+    return ZooError(f"{key}: no such setting{hint}")
+
+
+def check_device(name: str) -> None:
+    import torch
+
+    if name in ("auto", "cpu"):
+        return
+    if not (name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise ZooError(f"runtime.device={name!r}: must be auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ZooError(f"runtime.device={name}: this machine has no CUDA device (torch {torch.__version__}); "
+                       "use runtime.device=cpu or auto")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ZooError(f"runtime.device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_settings(config, run: bool = False) -> None:
+    """``runtime.*`` (and, for ``zoo.run``, its input, output and top-level keys): types, ranges, choices, and
+    no unknown key. ``sampling.*`` keys are checked by name here and by value per request."""
+    runtime = config.get("runtime") or {}
+    for key in runtime:
+        if key not in RUNTIME:
+            raise _unknown(f"runtime.{key}", RUNTIME)
+    for key, setting in RUNTIME.items():
+        if key in runtime:
+            setting.check(f"runtime.{key}", runtime[key])
+    check_device(runtime.get("device", "auto"))
+    if run:
+        for key in config:
+            if key not in TOP_LEVEL:
+                raise _unknown(str(key), TOP_LEVEL)
+        for section in ("input", "output"):
+            for key in config.get(section) or {}:
+                if f"{section}.{key}" not in RUN:
+                    raise _unknown(f"{section}.{key}", [k for k in RUN if k.startswith(section)])
+        for key, setting in RUN.items():
+            section, _, name = key.rpartition(".")
+            node = config.get(section) if section else config
+            if node is not None and name in node:
+                setting.check(key, node[name])
+    from dataclasses import fields
+
+    from zoo.sampling_params import SamplingParams
+
+    sampling_keys = {f.name for f in fields(SamplingParams)}
+    for key in config.get("sampling") or {}:
+        if key not in sampling_keys:
+            raise _unknown(f"sampling.{key}", sampling_keys)
