@@ -1,0 +1,151 @@
+"""``python -m zoo.run`` as people use it, through the real CLI in a subprocess.
+
+Settings checked before work starts (one line, exit 2, no traceback); records
+written as requests finish; Ctrl-C and SIGTERM leave every finished record on
+disk (exit 130, 143) and ``input.resume`` continues without repeating any;
+exit 3 when a request failed; control characters escaped in text output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zoo.run import printable
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def zoo_run(*args, cwd, timeout=180):
+    return subprocess.run([sys.executable, "-m", "zoo.run", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=ENV)
+
+
+def assert_one_line(proc, message):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"error: {message}"], lines
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("runtime.block_size=0", "runtime.block_size=0: must be an integer in [1, 4096]"),
+    ("runtime.block_size=-16", "runtime.block_size=-16: must be an integer in [1, 4096]"),
+    ("runtime.max_num_seqs=0", "runtime.max_num_seqs=0: must be an integer >= 1"),
+    ("runtime.max_num_seqs=-1", "runtime.max_num_seqs=-1: must be an integer >= 1"),
+    ("runtime.max_num_batched_tokens=0", "runtime.max_num_batched_tokens=0: must be an integer >= 1"),
+    ("runtime.gpu_memory_utilization=1.5", "runtime.gpu_memory_utilization=1.5: must be a number in [0.01, 1.0]"),
+    ("runtime.seed=abc", "runtime.seed='abc': must be an integer >= 0"),
+    ("runtime.enable_prefix_caching=maybe", "runtime.enable_prefix_caching='maybe': must be true or false"),
+    ("runtime.attention_backend=flash", "runtime.attention_backend='flash': must be one of auto, sdpa, triton"),
+    ("runtime.device=gpu", "runtime.device='gpu': must be auto, cpu, cuda or cuda:N"),
+    ("runtime.dtype=float8", "runtime.dtype='float8': must be one of auto, float32, float16, bfloat16"),
+    ("runtime.max_model_len=1", "runtime.max_model_len=1: must be an integer >= 2 or null"),
+    ("+runtime.nosuch=1", "runtime.nosuch: no such setting"),
+    ("+runtime.max_num_seq=4", "runtime.max_num_seq: no such setting (did you mean runtime.max_num_seqs?)"),
+    ("+sampling.temprature=0.5", "sampling.temprature: no such setting (did you mean sampling.temperature?)"),
+    ("+output.fil=x", "output.fil: no such setting (did you mean output.file?)"),
+    ("+promt=hi", "promt: no such setting (did you mean prompt?)"),
+    ("output.format=xml", "output.format='xml': must be one of text, jsonl"),
+    ("output.progress=sometimes", "output.progress='sometimes': must be one of auto, on, off"),
+    ("plugins.disable=[lookahed]", "plugins.disable names 'lookahed', which is no installed plugin (did you mean "
+                                   "lookahead?)"),
+    ("input.file=/no/such/file.jsonl", "cannot read input.file=/no/such/file.jsonl: No such file or directory"),
+    ("input.resume=true", "input.resume=true needs output.file (the records to continue from)"),
+    ("decoding=nosuch", "decoding=nosuch: no such option (available: eagle, lookahead, medusa, none)"),
+])
+def test_a_bad_setting_is_one_line_before_anything_loads(override, message, tmp_path):
+    proc = zoo_run(override, cwd=tmp_path)
+    assert_one_line(proc, message)
+    assert "loading weights" not in proc.stderr  # nothing loaded
+
+
+def test_cuda_on_a_machine_without_it_is_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = zoo_run("runtime.device=cuda", cwd=tmp_path)
+    assert proc.returncode == 2 and "runtime.device=cuda: this machine has no CUDA device" in proc.stderr
+
+
+def write_requests(path, count, max_new_tokens=24, extra_lines=()):
+    lines = [json.dumps({"prompt": f"def f{i}(", "max_new_tokens": max_new_tokens}) for i in range(count)]
+    path.write_text("\n".join(lines + list(extra_lines)) + "\n")
+    return len(lines) + len(extra_lines)
+
+
+def test_records_name_their_line_and_a_bad_line_fails_alone(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([json.dumps({"prompt": "def f(", "max_new_tokens": 4}), "",
+                               "{not json", json.dumps({"prompt": "x", "prompt_ids": [1, 2]}),
+                               json.dumps({"id": "mine", "prompt": "import os", "max_new_tokens": 4})]) + "\n")
+    proc = zoo_run(f"input.file={path}", "output.format=jsonl", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr  # some requests failed
+    records = {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert set(records) == {1, 3, 4, "mine"}  # line numbers, 1-based; the blank line 2 is no request
+    assert records[3]["error"].startswith(f"line 3 of {path} is not valid JSON")
+    assert records[4]["error"] == f"line 4 of {path} has both prompt and prompt_ids; give one"
+    assert len(records[1]["token_ids"]) == len(records["mine"]["token_ids"]) == 4
+    assert "failed requests: 2 of 4" in proc.stderr
+
+
+@pytest.mark.parametrize("signame, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stopped_run_keeps_its_records_and_resumes_each_once(tmp_path, signame, status):
+    total = write_requests(tmp_path / "in.jsonl", 30, max_new_tokens=120, extra_lines=["{bad"])
+    out = tmp_path / "out.jsonl"
+    args = [sys.executable, "-m", "zoo.run", f"input.file={tmp_path / 'in.jsonl'}", f"output.file={out}",
+            "output.format=jsonl", "runtime.max_num_seqs=1"]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ENV)
+    deadline = time.time() + 120
+    while (not out.exists() or len(out.read_text().splitlines()) < 4) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(getattr(signal, signame))
+    stderr = proc.communicate(timeout=60)[1]
+    assert proc.returncode == status and "Traceback" not in stderr
+    written = len(out.read_text().splitlines())
+    assert 4 <= written < total
+    assert stderr.strip().splitlines()[-1] == (f"stopped: {written} of {total} requests done, their records written "
+                                               f"to {out}; input.resume=true continues")
+    resumed = subprocess.run(args + ["input.resume=true"], capture_output=True, text=True, cwd=tmp_path, env=ENV,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr  # the failed line was written before the stop
+    assert f"resuming: {written} of {total} requests are already in {out}" in resumed.stderr
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == list(range(1, total + 1))  # every record exactly once
+
+
+def test_resume_drops_a_record_cut_short(tmp_path):
+    write_requests(tmp_path / "in.jsonl", 3, max_new_tokens=4)
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": 1, "token_ids": [], "text": "", "finish_reason": "length"}) + '\n{"id": 2, "tok')
+    proc = zoo_run(f"input.file={tmp_path / 'in.jsonl'}", f"output.file={out}", "output.format=jsonl",
+                   "input.resume=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [1, 2, 3]
+
+
+def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path):
+    write_requests(tmp_path / "in.jsonl", 3, max_new_tokens=4)
+    quiet = zoo_run(f"input.file={tmp_path / 'in.jsonl'}", cwd=tmp_path)  # stderr is a pipe: auto shows none
+    shown = zoo_run(f"input.file={tmp_path / 'in.jsonl'}", "output.progress=on", cwd=tmp_path)
+    assert "3/3" not in quiet.stderr and "3/3" in shown.stderr and "req" in shown.stderr
+
+
+def test_text_output_escapes_control_characters():
+    assert printable("a\x1b[31mred\x07\nnext\tcol\x00") == "a\\x1b[31mred\\x07\nnext\tcol\\x00"
+    assert printable("plain text") == "plain text"
+
+
+def test_text_output_of_the_cli_holds_no_escape_codes(tmp_path):
+    """Random GPT-2 weights print arbitrary bytes; none reaches the terminal raw."""
+    proc = zoo_run("model=gpt2", "prompt=Hello", "sampling.max_new_tokens=64", "sampling.temperature=1.0",
+                   "sampling.seed=3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not any(c != "\n" and c != "\t" and ord(c) < 32 for c in proc.stdout)
