@@ -259,11 +259,14 @@ def zoo_request_validate(request, description):
         return "images must be a list of file paths or processed-image objects"
     vision, merge = description.extra["vision"], description.extra["spatial_merge_size"]
     parsed = []
+    base = request.source_dir or Path(".")  # paths in an input file are relative to its folder
     for i, entry in enumerate(images):
         try:
             if isinstance(entry, str):
-                parsed.append(image_patches(entry, vision))
+                parsed.append(image_patches(str(base / entry), vision))
             elif isinstance(entry, dict):
+                entry = {**entry, "pixel_values": str(base / entry["pixel_values"])} if isinstance(
+                    entry.get("pixel_values"), str) else entry
                 parsed.append(processed_patches(entry, vision))
             else:
                 raise RequestError("each image is a file path or a processed-image object")

@@ -86,7 +86,7 @@ def test_hub_id_offline_without_cache(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("sampling.tempratur=1", "Key 'tempratur' is not in struct"),
+    ("sampling.tempratur=1", "sampling.tempratur: no such setting (did you mean sampling.temperature?)"),
     ("+sampling.tempratur=1", "sampling.tempratur: no such setting (did you mean sampling.temperature?)"),
     ("runtime.dtype=float8", "runtime.dtype='float8'"),
     ("sampling.temperature=-1", "temperature=-1"),

@@ -149,3 +149,34 @@ def test_text_output_of_the_cli_holds_no_escape_codes(tmp_path):
                    "sampling.seed=3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not any(c != "\n" and c != "\t" and ord(c) < 32 for c in proc.stdout)
+
+
+def test_an_override_hydra_refuses_is_one_line(tmp_path):
+    assert_one_line(zoo_run("sampling.tempratur=1", cwd=tmp_path),
+                    "sampling.tempratur: no such setting (did you mean sampling.temperature?); a new key needs "
+                    "+sampling.tempratur=...")
+    proc = zoo_run("sampling.logit_bias={42: 100.0}", cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "+sampling.logit_bias" in proc.stderr
+
+
+def test_a_newline_stop_string_through_bash_quoting(tmp_path):
+    """`sampling.stop=$'["\\n"]'` (bash turns \\n into a newline; Hydra keeps a typed backslash-n as two characters)."""
+    proc = zoo_run("prompt=def", "sampling.max_new_tokens=40", 'sampling.stop=["\n"]', "output.format=jsonl",
+                   cwd=tmp_path)
+    record = json.loads(proc.stdout)
+    assert record["finish_reason"] == "stop" and "\n" not in record["text"]
+
+
+def test_a_sweep_labels_its_jobs_goes_on_past_a_failure_and_writes_a_table(tmp_path):
+    proc = zoo_run("-m", "sampling.temperature=-1,0", "prompt=def", "sampling.max_new_tokens=4",
+                   f"output.sweep_table={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert proc.returncode == 3  # job 0 did not succeed
+    assert "=== job 0: sampling.temperature=-1" in proc.stdout and "=== job 1: sampling.temperature=0" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("[1] ")  # job 1 ran after job 0 failed
+    assert "sweep: job(s) 0 did not succeed" in proc.stderr
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert rows[0] == "job,overrides,status,requests,failed,generated_tokens,decode_tok_s"
+    assert rows[1].startswith("0,") and ",2," in rows[1] and rows[2].startswith("1,") and ",0,1,0,4," in rows[2]
+    assert (tmp_path / "sweep.md").read_text().startswith("| job | overrides |")
+    assert not (tmp_path / "multirun.yaml").exists() and not (tmp_path / "multirun").exists()

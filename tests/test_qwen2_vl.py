@@ -206,3 +206,30 @@ def test_images_on_a_text_model_are_a_clear_error():
     assert out.error.startswith("unknown request field(s): images; images is read by plugin qwen2_vl, which does "
                                 "not take part in this run")
     assert "the checkpoint is LlamaForCausalLM" in out.error
+
+
+def test_image_paths_in_an_input_file_are_relative_to_its_folder(qwen2_vl, tmp_path):
+    """`python -m zoo.run input.file=data/requests.jsonl` with `"images": ["photo.png"]` reads data/photo.png."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    folder, model = qwen2_vl
+    data = tmp_path / "data"
+    data.mkdir()
+    array = torch.randint(0, 256, (56, 56, 3), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    Image.fromarray(array.numpy()).save(data / "photo.png")
+    processed = transformers.Qwen2VLImageProcessorPil()(images=Image.open(data / "photo.png"), return_tensors="pt")
+    grid = tuple(processed["image_grid_thw"][0].tolist())
+    prompt = image_prompt([7, 8], grid, [9])
+    (data / "requests.jsonl").write_text(json.dumps({"prompt_ids": prompt, "images": ["photo.png"]}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "zoo.run", "model=qwen2_vl", f"model.path={folder}",
+                           "input.file=data/requests.jsonl", "output.format=jsonl", "sampling.max_new_tokens=4",
+                           "sampling.ignore_eos=true"], capture_output=True, text=True, cwd=tmp_path, timeout=180,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["token_ids"] == hf_greedy(model, prompt, processed["pixel_values"], grid, 4)[0]

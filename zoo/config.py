@@ -41,15 +41,31 @@ def compose_config(overrides: list[str] = (), name: str = "config") -> DictConfi
         group, _, option = str(exc.missing_cfg_file).rpartition("/")
         raise ZooError(f"{group}={option}: no such option (available: {', '.join(exc.options)})") from None
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ZooError(f"bad config override: {exc}") from None
+        unknown = re.match(r"Could not override '([\w.]+)'", str(exc))
+        if unknown:  # a key the config may not have: name the nearest one that it does
+            from omegaconf import OmegaConf
+
+            from zoo.settings import suggest
+
+            base, key = compose_config([], name), unknown.group(1)
+            section, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(base, section) if section else base
+            if not (hasattr(node, "keys") and leaf in node):
+                raise ZooError(suggest(key, base)) from None
+        raise ZooError("bad config override: " + " ".join(str(exc).split())) from None
 
 
-def check_group_options(argv: list[str]) -> None:
-    """``group=option`` arguments name existing options (Hydra would print its search path, exit 1)."""
-    groups = {"model", "decoding", "runtime", "processor", "experiment"}
-    chosen = [a for a in argv if "=" in a and a.split("=", 1)[0] in groups and "," not in a]
-    if chosen:
-        compose_config(chosen)
+def check_overrides(argv: list[str], name: str) -> None:
+    """The command line's overrides compose (Hydra would print its search path or a stack-trace hint, exit 1):
+    all of them for a single run, the ``group=option`` ones for a sweep (``-m``), whose values hold commas."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return  # --cfg, --help, --info...: Hydra's own
+    if "-m" in argv or "--multirun" in argv:
+        groups = {"model", "decoding", "runtime", "processor", "experiment"}
+        overrides = [a for a in overrides if "=" in a and a.split("=", 1)[0] in groups and "," not in a]
+    if overrides:
+        compose_config(overrides, name)
 
 
 def to_plain(cfg) -> dict:
@@ -74,10 +90,10 @@ def quote_free_text(argv: list[str]) -> list[str]:
     return quoted
 
 
-def cli_main(hydra_main) -> None:
-    """A command's entry: free text quoted, group options checked (one line and exit 2 if unknown), then Hydra."""
+def cli_main(hydra_main, name: str = "config") -> None:
+    """A command's entry: free text quoted, overrides checked (one line and exit 2 if bad), then Hydra."""
     sys.argv[1:] = quote_free_text(sys.argv[1:])
-    exit_on_error(lambda: (register_plugin_configs(), check_group_options(sys.argv[1:])))
+    exit_on_error(lambda: (register_plugin_configs(), check_overrides(sys.argv[1:], name)))
     hydra_main()
 
 

@@ -88,9 +88,11 @@ class Engine:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    params: SamplingParams | None = None, extras: dict | None = None) -> Request:
-        """Queue a request; an invalid one comes back already finished with an error."""
-        return self.intake.add(prompt, prompt_token_ids, params or SamplingParams(), extras or {})
+                    params: SamplingParams | None = None, extras: dict | None = None,
+                    source_dir=None) -> Request:
+        """Queue a request; an invalid one comes back already finished with an error. ``source_dir``: the
+        folder its relative file paths are read from (the input file's), else the working directory."""
+        return self.intake.add(prompt, prompt_token_ids, params or SamplingParams(), extras or {}, source_dir)
 
     def reject(self, message: str, output_id=None) -> Request:
         """A request that never enters the scheduler: finished with ``error``."""

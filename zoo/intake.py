@@ -37,8 +37,8 @@ class RequestIntake:
         return request
 
     def add(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
-            extras: dict) -> Request:
-        request = self._new(params, prompt=prompt, extras=dict(extras))
+            extras: dict, source_dir=None) -> Request:
+        request = self._new(params, prompt=prompt, extras=dict(extras), source_dir=source_dir)
         try:
             self._check_fields(request)
             request.input_token_ids = self._tokens(prompt, prompt_token_ids)

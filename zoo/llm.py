@@ -102,7 +102,7 @@ class LLM:
             requests.append(self._add(item, params, index))
         return requests
 
-    def _add(self, item, params, index) -> Request:
+    def _add(self, item, params, index, source_dir=None) -> Request:
         base = params if isinstance(params, SamplingParams) else self.default_params
         overrides = params if isinstance(params, dict) else {}
         if isinstance(item, dict):
@@ -119,7 +119,7 @@ class LLM:
         except ZooError as exc:  # an invalid override rejects this request only
             request = self.engine.reject(str(exc))
         else:
-            request = self.engine.add_request(prompt, prompt_ids, request_params, extras)
+            request = self.engine.add_request(prompt, prompt_ids, request_params, extras, source_dir)
         request.output_id = rid
         return request
 

@@ -204,7 +204,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    cli_main(_main)
+    cli_main(_main, "pretrain")
 
 
 if __name__ == "__main__":

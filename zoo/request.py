@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ class Request:
     prompt: str | None = None
     input_token_ids: list[int] | None = None  # the prompt as the user sent it (zoo_prompt_transform may extend it)
     extras: dict[str, Any] = field(default_factory=dict)  # request fields plugins read (images, adapter...)
-    output_id: Any = None  # the caller's id for this request (JSONL `id`, else its index)
+    output_id: Any = None  # the caller's id for this request (JSONL `id`, else its line number or index)
+    source_dir: Path | None = None  # relative file paths in its fields (images) are read from here (None: cwd)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -11,7 +11,10 @@ SIGTERM stops with every finished record written.
 
 Exit status: 0 every request succeeded; 2 a setting, the input or the model
 is bad (nothing ran); 3 the run finished but some requests failed (their
-records say why); 130 stopped by Ctrl-C, 143 by SIGTERM.
+records say why); 130 stopped by Ctrl-C, 143 by SIGTERM. A sweep (``-m``)
+labels each job's output with its overrides, goes on past a failing job,
+prints a table of the jobs (``output.sweep_table=PATH`` also writes PATH.csv
+and PATH.md) and exits 3 when any job did not succeed.
 """
 
 from __future__ import annotations
@@ -179,9 +182,11 @@ def run(cfg: DictConfig) -> int:
     status = 0
     try:
         pending = {}  # request id -> request, until its record is written
+        source_dir = Path(cfg.input.file).resolve().parent if cfg.input.file else None  # image paths start here
         for record in todo:
             request = (engine.reject(record["_error"], output_id=record["id"]) if "_error" in record
-                       else llm._add({k: v for k, v in record.items() if k != "_line"}, None, record["id"]))
+                       else llm._add({k: v for k, v in record.items() if k != "_line"}, None, record["id"],
+                                     source_dir))
             if request.is_finished:
                 writer.write(llm.output_of(request))
                 progress.update(1, engine.stats.generated_tokens)
@@ -209,19 +214,69 @@ def run(cfg: DictConfig) -> int:
         return status
     print(engine.summary(), file=sys.stderr)
     print(f"failed requests: {writer.failed} of {len(todo)}", file=sys.stderr)
+    stats = engine.stats
+    LAST_RUN.update(requests=len(todo), failed=writer.failed, generated_tokens=stats.generated_tokens,
+                    decode_tok_s=round(stats.decode_tokens / stats.decode_seconds, 1) if stats.decode_seconds else 0.0)
     return EXIT_FAILED_REQUESTS if writer.failed else 0
+
+
+LAST_RUN: dict = {}  # what the last run did, for a sweep's table
+SWEEP_JOBS: list[dict] = []  # one row per job of a sweep (-m), in order
+
+
+def _job_label() -> str | None:
+    """The job's overrides when this run is one job of a sweep, else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return " ".join(HydraConfig.get().overrides.task)
 
 
 @hydra.main(config_path="pkg://zoo_conf", config_name="config", version_base=None)
 def _main(cfg: DictConfig) -> None:
     OmegaConf.set_struct(cfg, True)
+    label = _job_label()
+    if label is None:
+        status = run(cfg)
+        if status:
+            sys.exit(status)
+        return
+    # One job of a sweep: labelled, and never ending the sweep; cli_main reports every job at the end.
+    print(f"=== job {len(SWEEP_JOBS)}: {label}", flush=True)
+    print(f"=== job {len(SWEEP_JOBS)}: {label}", file=sys.stderr, flush=True)
+    LAST_RUN.clear()
     status = run(cfg)
-    if status:  # returning normally on success lets a Hydra sweep (-m) go on to its next job
-        sys.exit(status)
+    SWEEP_JOBS.append({"job": len(SWEEP_JOBS), "overrides": label, "status": status, **LAST_RUN,
+                       "table": cfg.output.sweep_table})
+
+
+def sweep_report() -> int:
+    """A finished sweep's table on stderr (and in ``output.sweep_table``.csv/.md); 3 if any job did not succeed."""
+    if not SWEEP_JOBS:
+        return 0
+    columns = ["job", "overrides", "status", "requests", "failed", "generated_tokens", "decode_tok_s"]
+    rows = [[str(job.get(c, "")) for c in columns] for job in SWEEP_JOBS]
+    markdown = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                          + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    print("sweep:\n" + markdown, file=sys.stderr)
+    table = SWEEP_JOBS[0].get("table")
+    if table:
+        import csv
+
+        with open(f"{table}.csv", "w", newline="") as f:
+            csv.writer(f).writerows([columns] + rows)
+        Path(f"{table}.md").write_text(markdown)
+    failed = [job["job"] for job in SWEEP_JOBS if job["status"]]
+    if failed:
+        print(f"sweep: job(s) {', '.join(map(str, failed))} did not succeed", file=sys.stderr)
+    return EXIT_FAILED_REQUESTS if failed else 0
 
 
 def main() -> None:
     cli_main(_main)
+    sys.exit(sweep_report())
 
 
 if __name__ == "__main__":

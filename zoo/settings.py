@@ -80,6 +80,7 @@ RUN = {  # zoo.run's own keys
     "output.format": Setting(str, choices=("text", "jsonl")),
     "output.file": Setting(str, optional=True),
     "output.progress": Setting(str, choices=("auto", "on", "off")),
+    "output.sweep_table": Setting(str, optional=True),
 }
 # Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
 TOP_LEVEL = {"model", "decoding", "runtime", "processor", "experiment", "prompt", "input", "output", "sampling",
@@ -90,6 +91,16 @@ def _unknown(key: str, known) -> ZooError:
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], [k.rsplit(".", 1)[-1] for k in known], n=1)
     hint = f" (did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?)" if close else ""
     return ZooError(f"{key}: no such setting{hint}")
+
+
+def suggest(key: str, config) -> str:
+    """The error for an unknown dotted ``key``, with the nearest key its section of ``config`` has."""
+    from omegaconf import OmegaConf
+
+    section, _, _ = key.rpartition(".")
+    node = OmegaConf.select(config, section) if section else config
+    known = [f"{section}.{k}" if section else str(k) for k in (node.keys() if hasattr(node, "keys") else [])]
+    return str(_unknown(key, known)) + f"; a new key needs +{key}=..."
 
 
 def check_device(name: str) -> None:

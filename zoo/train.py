@@ -237,7 +237,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    cli_main(_main)
+    cli_main(_main, "train")
 
 
 if __name__ == "__main__":
