@@ -180,3 +180,14 @@ def test_a_sweep_labels_its_jobs_goes_on_past_a_failure_and_writes_a_table(tmp_p
     assert rows[1].startswith("0,") and ",2," in rows[1] and rows[2].startswith("1,") and ",0,1,0,4," in rows[2]
     assert (tmp_path / "sweep.md").read_text().startswith("| job | overrides |")
     assert not (tmp_path / "multirun.yaml").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_a_model_option_for_another_architecture_is_one_line(checkpoints, tmp_path):
+    llama = checkpoints["llama"][0]
+    assert_one_line(zoo_run("model=gpt2", f"model.path={llama}", cwd=tmp_path),
+                    f"model=gpt2 is for checkpoints of plugin gpt, but {llama} holds LlamaForCausalLM (plugin llama); "
+                    "leave out model= (model=llama takes any architecture) or choose the option for it")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")  # no tokenizer.json there
+    proc = zoo_run(f"model.path={checkpoints['gpt2'][0]}", f"input.file={tmp_path / 'in.jsonl'}",
+                   "sampling.max_new_tokens=2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr  # the default option takes the checkpoint's architecture

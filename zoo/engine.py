@@ -16,7 +16,7 @@ from zoo.intake import RequestIntake
 from zoo.kv_cache import plan_num_blocks
 from zoo.loader import load_model, open_checkpoint
 from zoo.model_runner import ModelRunner, RunnerLimits
-from zoo.plugins import load_plugins, select_plugins
+from zoo.plugins import architecture_owners, load_plugins, select_plugins
 from zoo.request import Request
 from zoo.sampler import Sampler
 from zoo.sampling_params import SamplingParams
@@ -24,6 +24,17 @@ from zoo.scheduler import Scheduler
 from zoo.settings import check_settings
 from zoo.stats import EngineStats, summary
 from zoo.step import StepResults
+
+
+def check_model_option(model, architecture: str, plugin_manager) -> None:
+    """A model option other than ``llama`` names the plugin of its architectures (``plugin`` in its yaml): a
+    checkpoint of another plugin's architecture is an error, not a silent switch."""
+    expected = model.get("plugin") if hasattr(model, "get") else None
+    owner = architecture_owners(plugin_manager).get(architecture, (None,))[0]
+    if expected and model.get("path") and owner != expected:
+        raise ZooError(f"model={model.get('name')} is for checkpoints of plugin {expected}, but {model.get('path')} "
+                       f"holds {architecture} (plugin {owner}); leave out model= (model=llama takes any "
+                       f"architecture) or choose the option for it")
 
 
 class Engine:
@@ -37,6 +48,7 @@ class Engine:
         self.device, self.dtype = device_and_dtype(runtime)
         self.checkpoint = open_checkpoint(config["model"], self.plugin_manager)
         self.description, self.tokenizer = self.checkpoint.description, self.checkpoint.tokenizer
+        check_model_option(config["model"], self.description.architecture, self.plugin_manager)
         # From here on only the plugins that take part in this run are called.
         self.plugins = select_plugins(self.plugin_manager, config, self.description.architecture)
         # Before the weights load, so that a bad decoding setting costs no loading time.

@@ -25,6 +25,7 @@ class Setting:
     high: float | None = None
     choices: tuple = ()  # allowed values for strings
     optional: bool = False  # null allowed
+    positive: bool = False  # numbers: above zero
 
     def check(self, key: str, value: Any) -> None:
         if value is None:
@@ -37,7 +38,8 @@ class Setting:
               else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
               else isinstance(value, str))
         if not ok or (self.choices and value not in self.choices) or (
-                self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+                self.low is not None and value < self.low) or (self.high is not None and value > self.high) or (
+                self.positive and value <= 0):
             raise ZooError(f"{key}={value!r}: must be {self.describe()}")
 
     def describe(self) -> str:
@@ -49,6 +51,8 @@ class Setting:
                 text += f" in [{self.low}, {self.high}]"
             elif self.low is not None:
                 text += f" >= {self.low}"
+            elif self.positive:
+                text += " > 0"
         return text + (" or null" if self.optional else "")
 
 
@@ -58,7 +62,7 @@ RUNTIME = {
     "dtype": Setting(str, choices=DTYPES),
     "block_size": Setting(int, 1, 4096),
     "num_kv_blocks": Setting(int, 1, optional=True),
-    "cpu_kv_cache_gb": Setting(float, 0.001),
+    "cpu_kv_cache_gb": Setting(float, positive=True),
     "gpu_memory_utilization": Setting(float, 0.01, 1.0),
     "max_num_seqs": Setting(int, 1),
     "max_num_batched_tokens": Setting(int, 1),
