@@ -191,3 +191,15 @@ def test_a_model_option_for_another_architecture_is_one_line(checkpoints, tmp_pa
     proc = zoo_run(f"model.path={checkpoints['gpt2'][0]}", f"input.file={tmp_path / 'in.jsonl'}",
                    "sampling.max_new_tokens=2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr  # the default option takes the checkpoint's architecture
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["decoding=eagle", "plugins.disable=[eagle]"], "decoding=eagle: no plugin that takes part registers it"),
+    (["model=gpt2", "plugins.disable=[gpt]"], "unknown architecture ['GPT2LMHeadModel']"),
+])
+def test_disabling_a_plugin_the_options_need_says_so(args, fragment, tmp_path):
+    proc = zoo_run(*args, cwd=tmp_path)
+    disabled = args[1].split("[")[1].rstrip("]")
+    assert proc.returncode == 2 and fragment in proc.stderr
+    assert f"left out: {disabled} (disabled (plugins.disable))" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -216,7 +216,7 @@ def draft_limit(settings, key: str) -> int:
 
 def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
     """The method ``decoding=name`` selects, built once and registered as a plugin; None for plain decoding."""
-    from zoo.plugins import registered_names
+    from zoo.plugins import left_out_note, registered_names
 
     registry = registered_names(plugin_manager.hook.zoo_decoding_methods, "decoding method")
     if name in (None, "none"):
@@ -224,7 +224,8 @@ def choose_method(plugin_manager, name: str, engine) -> DecodingMethod | None:
     if name not in registry:
         known = sorted(set(registry) | {m for s in getattr(engine, "plugins", ()) for m in s.decoding_methods})
         raise ZooError(f"decoding={name}: no plugin that takes part registers it (methods: "
-                       f"{', '.join(known) or 'none'}; decoding=NAME chooses a method's own option)")
+                       f"{', '.join(known) or 'none'}; decoding=NAME chooses a method's own option)"
+                       + left_out_note(plugin_manager))
     method = registry[name][1](engine)
     if not isinstance(method.max_draft_tokens, int) or method.max_draft_tokens < 1:
         raise ZooError(f"decoding method {name!r} declares max_draft_tokens={method.max_draft_tokens!r}; "

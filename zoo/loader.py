@@ -12,7 +12,7 @@ import torch
 from zoo.description import ModelDescription
 from zoo.errors import ZooError
 from zoo.model import DecoderModel
-from zoo.plugins import architecture_owners
+from zoo.plugins import architecture_owners, left_out_note
 from zoo.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -70,7 +70,8 @@ def describe_model(hf_config: dict, plugin_manager, where: str) -> ModelDescript
             except (KeyError, ValueError, TypeError) as exc:
                 raise ZooError(f"{where}: cannot build {name} from its config: {type(exc).__name__}: {exc}") from None
     raise ZooError(f"{where}: unknown architecture {names or '(none given)'}; "
-                   f"installed plugins support: {', '.join(sorted(registry)) or 'nothing'}")
+                   f"installed plugins support: {', '.join(sorted(registry)) or 'nothing'}"
+                   + left_out_note(plugin_manager))
 
 
 def new_model(description: ModelDescription, hooks) -> DecoderModel:

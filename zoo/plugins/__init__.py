@@ -112,6 +112,13 @@ def load_plugins(disable: Iterable[str] = (), extra: Iterable[object] = ()) -> p
     return pm
 
 
+def left_out_note(pm: pluggy.PluginManager) -> str:
+    """``; left out: eagle (disabled (plugins.disable))`` when some installed plugins were not loaded: an
+    error about something no plugin provides names them, since one of them may be what the run needs."""
+    left = getattr(pm, "zoo_left_out", {})
+    return f"; left out: {', '.join(f'{n} ({why})' for n, why in sorted(left.items()))}" if left else ""
+
+
 def _register(pm: pluggy.PluginManager, plugin: object, name: str, origin: str) -> None:
     try:
         pm.register(plugin, name=name)
