@@ -203,3 +203,13 @@ def test_disabling_a_plugin_the_options_need_says_so(args, fragment, tmp_path):
     assert proc.returncode == 2 and fragment in proc.stderr
     assert f"left out: {disabled} (disabled (plugins.disable))" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_every_checked_setting_with_its_value(tmp_path):
+    from zoo.settings import RUN, RUNTIME
+
+    proc = zoo_run("--help", "runtime.max_num_seqs=8", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for key in [f"runtime.{k}" for k in RUNTIME] + list(RUN):
+        assert f"  {key} " in proc.stdout, key
+    assert "runtime.max_num_seqs            = 8           an integer >= 1" in proc.stdout

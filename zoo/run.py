@@ -275,6 +275,12 @@ def sweep_report() -> int:
 
 
 def main() -> None:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):  # zoo's settings; --hydra-help gives Hydra's own
+        from zoo.config import compose_config, exit_on_error
+        from zoo.settings import settings_help
+
+        print(settings_help(exit_on_error(lambda: compose_config([a for a in sys.argv[1:] if not a.startswith("-")]))))
+        return
     cli_main(_main)
     sys.exit(sweep_report())
 

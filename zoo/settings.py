@@ -26,6 +26,7 @@ class Setting:
     choices: tuple = ()  # allowed values for strings
     optional: bool = False  # null allowed
     positive: bool = False  # numbers: above zero
+    text: str = ""  # what is allowed, where a rule checks more than the type (runtime.device)
 
     def check(self, key: str, value: Any) -> None:
         if value is None:
@@ -43,6 +44,8 @@ class Setting:
             raise ZooError(f"{key}={value!r}: must be {self.describe()}")
 
     def describe(self) -> str:
+        if self.text:
+            return self.text
         if self.choices:
             text = "one of " + ", ".join(map(str, self.choices))
         else:
@@ -58,7 +61,7 @@ class Setting:
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 RUNTIME = {
-    "device": Setting(str),  # auto, cpu, cuda, cuda:N: checked against the machine by check_device
+    "device": Setting(str, text="auto, cpu, cuda or cuda:N (checked against the machine)"),
     "dtype": Setting(str, choices=DTYPES),
     "block_size": Setting(int, 1, 4096),
     "num_kv_blocks": Setting(int, 1, optional=True),
@@ -153,3 +156,22 @@ def check_settings(config, run: bool = False) -> None:
     for key in config.get("sampling") or {}:
         if key not in sampling_keys:
             raise _unknown(f"sampling.{key}", sampling_keys)
+
+
+def settings_help(config) -> str:
+    """``python -m zoo.run --help``: every checked key with its value in ``config`` and what it allows."""
+    lines = ["python -m zoo.run [GROUP=OPTION] [KEY=VALUE] ... (Hydra overrides; -m sweeps; --cfg job prints the config)",
+             "", "groups: model, decoding, processor, experiment (python -m zoo.plugins lists the plugins)", "",
+             "settings (checked before anything loads):"]
+    rows = [(f"runtime.{k}", (config.get("runtime") or {}).get(k), v) for k, v in RUNTIME.items()]
+    for key, setting in RUN.items():
+        section, _, name = key.rpartition(".")
+        node = config.get(section) if section else config
+        rows.append((key, node.get(name) if node is not None else None, setting))
+    width = max(len(k) for k, _, _ in rows)
+    lines += [f"  {key:<{width}}  = {value!s:<10}  {setting.describe()}" for key, value, setting in rows]
+    lines += ["", "sampling.* (defaults for every request; JSONL records may override): "
+              + ", ".join(str(k) for k in (config.get("sampling") or {})),
+              "", "exit status: 0 all requests succeeded, 2 bad setting/input/model, 3 some requests failed, "
+              "130 Ctrl-C, 143 SIGTERM"]
+    return "\n".join(lines)
