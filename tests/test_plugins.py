@@ -187,7 +187,7 @@ def test_config_groups_and_experiment():
     cfg = compose_config(["model=gpt2", "experiment=sample_creative"])
     assert cfg.model.name == "gpt2" and cfg.decoding.name == "none" and cfg.runtime.block_size == 16
     assert cfg.sampling.temperature == 0.8 and cfg.sampling.seed == 1234
-    with pytest.raises(ZooError, match="bad config override"):
+    with pytest.raises(ZooError, match="runtime.nonexistent: no such setting"):
         compose_config(["runtime.nonexistent=1"])
 
 
