@@ -170,6 +170,9 @@ def run(cfg: DictConfig) -> int:
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped before any request ran", file=sys.stderr)
+        return EXIT_SIGINT
     engine = llm.engine
     print(f"model: {engine.checkpoint.source}", file=sys.stderr)
     todo = [r for r in records if json.dumps(r["id"]) not in skip]
@@ -192,13 +195,16 @@ def run(cfg: DictConfig) -> int:
                 progress.update(1, engine.stats.generated_tokens)
             else:
                 pending[request.request_id] = request
-        while engine.has_work():
-            engine.step()
-            finished = [r for r in pending.values() if r.is_finished]
+        while pending:
+            # A request finishes in the step that gives its last token; once the engine is idle, any left.
+            advanced = [r for r, _ in engine.step()] if engine.has_work() else list(pending.values())
+            finished = [r for r in advanced if r.is_finished and r.request_id in pending]
             for request in finished:
                 del pending[request.request_id]
                 writer.write(llm.output_of(request))
             progress.update(len(finished), engine.stats.generated_tokens)
+            if not engine.has_work() and not finished and pending:
+                raise RuntimeError(f"{len(pending)} requests neither run nor finished; this is a bug")
     except KeyboardInterrupt:
         status = EXIT_SIGINT
     except Stopped as stop:
