@@ -159,6 +159,11 @@ def test_adding_and_removing_adapters_while_running(families, tmp_path):
     for adapter in ("r4", "prompt", "r8"):
         assert llm.generate([{"prompt_ids": prompt, "adapter": adapter}], params)[0].token_ids == \
             family.reference(adapter, prompt)[0]
+    waiting = llm.engine.add_request(prompt_token_ids=prompt, extras={"adapter": "r4"})
+    with pytest.raises(ZooError, match="adapter 'r4' is in use by 1 unfinished request"):
+        llm.remove_adapter("r4")
+    llm.engine.run_until_done()
+    assert waiting.is_finished and waiting.error is None
     llm.remove_adapter("r4")
     out = llm.generate([{"prompt_ids": prompt, "adapter": "r4"}, {"prompt_ids": prompt}], params)
     assert out[0].error.startswith("unknown adapter 'r4'") and out[1].token_ids == family.reference(None, prompt)[0]

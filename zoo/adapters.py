@@ -110,6 +110,7 @@ class Adapters:
             self.kinds[peft_type] = kind
             if not plugin_manager.is_registered(kind):
                 plugin_manager.register(kind, name=f"adapter kind {peft_type}")
+        self.engine = engine
         self.entries: dict[str, Adapter] = {}
         self.failed: dict[str, str] = {}  # name -> why it did not load (its requests fail with this)
         self.generations = 0
@@ -139,10 +140,14 @@ class Adapters:
         return self.entries[name]
 
     def remove(self, name: str) -> None:
-        adapter = self.entries.pop(name, None)
-        if adapter is None:
+        """Unload an adapter; refused while a request that names it is waiting or running."""
+        if name not in self.entries:
             raise ZooError(f"no adapter {name!r} is loaded (loaded: {', '.join(sorted(self.entries)) or 'none'})")
-        adapter.kind.unload(name)
+        scheduler = self.engine.scheduler
+        users = sum(1 for r in [*scheduler.waiting, *scheduler.running] if r.extras.get("adapter") == name)
+        if users:
+            raise ZooError(f"adapter {name!r} is in use by {users} unfinished request(s)")
+        self.entries.pop(name).kind.unload(name)
 
     def of(self, request) -> Adapter | None:
         """The adapter a request names (checked at intake), or None for the base model."""

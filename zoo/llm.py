@@ -87,10 +87,6 @@ class LLM:
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter; refused while a request that names it is waiting or running."""
-        scheduler = self.engine.scheduler
-        users = [r for r in [*scheduler.waiting, *scheduler.running] if r.extras.get("adapter") == name]
-        if users:
-            raise ZooError(f"adapter {name!r} is in use by {len(users)} unfinished request(s)")
         self.engine.adapters.remove(name)
 
     def _submit(self, prompts, sampling_params) -> list[Request]:
