@@ -189,17 +189,13 @@ class LoRA(AdapterKind):
         setup.add_buffer(BufferSpec(COLUMNS, (setup.limits.max_num_tokens, self.max_per_step * self.max_rank),
                                     dtype=self.engine.dtype))
         if self.wrappers:
-            setup.add_graph_variant(VARIANT, lambda scheduled: any(self._name(e.request) for e in scheduled))
-
-    def _name(self, request) -> str | None:
-        """The request's adapter if it is a LoRA, else None."""
-        adapter = self.engine.adapters.of(request)
-        return adapter.name if adapter is not None and adapter.kind is self else None
+            adapters = self.engine.adapters
+            setup.add_graph_variant(VARIANT, lambda scheduled: any(adapters.name_for(e.request, self) for e in scheduled))
 
     @hookimpl
     def zoo_step_prepare(self, batch, buffers):
         self.steps += 1
-        names = [self._name(e.request) for e in batch.scheduled]
+        names = [self.engine.adapters.name_for(e.request, self) for e in batch.scheduled]
         self.step_has_lora = any(names)
         if not self.step_has_lora:
             return  # such a step skips the products (eagerly, or in the plain graphs): the columns go unread

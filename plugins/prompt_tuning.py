@@ -59,20 +59,16 @@ class PromptTuning(AdapterKind):
             self.offsets[name], start = start, start + table.shape[0]
         self.stacked = torch.cat(list(self.tables.values())) if self.tables else None
 
-    def _table_of(self, request) -> str | None:
-        adapter = self.engine.adapters.of(request)
-        return adapter.name if adapter is not None and adapter.kind is self else None
-
     # ------------------------------------------------------------------ requests
 
     @hookimpl
     def zoo_request_table_size(self, request):
-        name = self._table_of(request)
+        name = self.engine.adapters.name_for(request, self)
         return None if name is None else self.tables[name].shape[0]
 
     @hookimpl
     def zoo_prompt_transform(self, request):
-        name = self._table_of(request)
+        name = self.engine.adapters.name_for(request, self)
         if name is None:
             return
         vocab = self.engine.description.vocab_size
@@ -96,7 +92,7 @@ class PromptTuning(AdapterKind):
             return
         vocab, rows = self.engine.description.vocab_size, [-1] * batch.num_tokens
         for entry, offset in zip(batch.scheduled, batch.token_offsets):
-            name = self._table_of(entry.request)
+            name = self.engine.adapters.name_for(entry.request, self)
             if name is None or entry.start >= len(entry.request.prompt_token_ids):
                 continue  # virtual tokens sit in prompts only
             for j in range(entry.num_tokens):

@@ -154,6 +154,11 @@ class Adapters:
         name = request.extras.get("adapter")
         return None if name is None else self.entries.get(name)
 
+    def name_for(self, request, kind: AdapterKind) -> str | None:
+        """The request's adapter name if ``kind`` serves it, else None (the base model or another kind)."""
+        adapter = self.of(request)
+        return adapter.name if adapter is not None and adapter.kind is kind else None
+
     def check(self, request) -> None:
         name = request.extras.get("adapter")
         if name is None or name in self.entries or not self.kinds:  # no kinds: a third-party plugin's field
