@@ -92,3 +92,20 @@ def test_logprobs_equal_log_softmax_of_transformers(checkpoints, references):
             assert top_ids == torch.topk(ref[step], 3).indices.tolist()
             for token, value in entry["top"]:
                 assert value == pytest.approx(float(ref[step, token]), abs=1e-4)
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_whole_prompt_steps_without_the_mask_match_transformers(checkpoints, references, name):
+    """The GPU's prefill path (causal SDPA over the step's own keys, no cache gather or mask), forced on here:
+    whole prompts in one step, ragged, and prompts split into chunks (only their first chunk takes it)."""
+    prompts = prompt_set()
+    for runtime in (dict(max_num_batched_tokens=512), dict(block_size=4, max_num_batched_tokens=7)):
+        llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], **runtime)
+        llm.engine.runner.fresh_causal_path = True
+        taken = []
+        original = llm.engine.runner.attention_metadata
+        llm.engine.runner.attention_metadata = lambda *a, **k: taken.append(k.get("fresh_causal")) or original(*a, **k)
+        outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        assert any(taken) != bool(llm.engine.description.sliding_window)  # a window keeps the mask
+        for i, (out, (ref_tokens, _)) in enumerate(zip(outputs, references[name])):
+            assert out.token_ids == ref_tokens, f"prompt {i}, {runtime}"

@@ -67,6 +67,9 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self)
         self.decode_kernel = self._decode_kernel_usable(attention_backend)
         self.position_hooks = bool(hooks.zoo_step_positions.get_hookimpls())
+        # Whole-prompt steps attend without the cache's mask (flash kernels). Only on CUDA, where that is faster;
+        # on CPU the masked path stays the reference (tests turn this on to compare the two).
+        self.fresh_causal_path = device.type == "cuda"
 
     def add_buffer(self, spec: BufferSpec) -> None:
         if spec.name in self.specs:
@@ -116,21 +119,25 @@ class ModelRunner:
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,
                           layout.logits_indices, graph=graph)
         if graph is None:
+            fresh = layout.fresh_causal and self.fresh_causal_path and not self.description.sliding_window
             batch.attention = self.attention_metadata(batch.num_tokens, len(scheduled), max_query, num_blocks,
-                                                      layout.has_drafts)
+                                                      layout.has_drafts, fresh_causal=fresh)
         else:
             self.graphs.pad_rows(len(scheduled), graph[1], stride)
         self.hooks.zoo_step_prepare(batch=batch, buffers=self.step_buffers(batch.sizes))
         return batch
 
     def attention_metadata(self, num_tokens, num_seqs, max_query, num_blocks, has_drafts,
-                           use_kernel: bool | None = None) -> AttentionMetadata:
-        """The step's attention metadata; ``use_kernel`` None: the decode kernel wherever it handles the query."""
+                           use_kernel: bool | None = None, fresh_causal: bool = False) -> AttentionMetadata:
+        """The step's attention metadata; ``use_kernel`` None: the decode kernel wherever it handles the query.
+        ``fresh_causal``: every sequence attends causally over exactly this step's tokens (whole prompts)."""
         if use_kernel is None:
             use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
+        fresh_causal = fresh_causal and not use_kernel
         buf = self.buffers
         visible = buf["draft_visible"][:num_tokens] if has_drafts else None
-        mask = None if use_kernel else self._dense_mask(num_tokens, num_seqs, max_query, num_blocks, visible)
+        mask = (None if use_kernel or fresh_causal
+                else self._dense_mask(num_tokens, num_seqs, max_query, num_blocks, visible))
         return AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:num_tokens],
             block_tables=buf["block_tables"][:num_seqs, :num_blocks],
@@ -144,6 +151,7 @@ class ModelRunner:
             draft_visible=visible,
             has_tree=has_drafts,
             use_decode_kernel=use_kernel,
+            fresh_causal=fresh_causal,
         )
 
     def _dense_mask(self, num_tokens, num_seqs, max_query, num_blocks, visible) -> torch.Tensor:

@@ -53,10 +53,13 @@ class StepLayout:
         self.draft_visible: list[tuple[int, int]] = []  # (token row, draft index) pairs a draft token sees
         self.visible_blocks: list[tuple[int, tuple]] = []  # (first row, a tree's (token, ancestor) pairs)
         self.has_drafts = False
+        # Every sequence's queries are its whole context so far, causal: attention needs no cache or mask.
+        self.fresh_causal = True
 
     def add_decode_token(self, b: int, entry: ScheduledRequest) -> None:
         """The common case at large batch (one committed token, no drafts, default positions), unrolled."""
         request, i = entry.request, entry.start
+        self.fresh_causal = self.fresh_causal and i == 0
         self.offsets.append(len(self.input_ids))
         self.logits_rows.append([len(self.logits_indices)] if entry.samples else [])
         if entry.samples:
@@ -74,6 +77,8 @@ class StepLayout:
     def add_entry(self, b: int, entry: ScheduledRequest, positions_of) -> None:
         """Any entry: a chunk of committed tokens, then its draft block if it has one."""
         request, draft = entry.request, entry.draft
+        self.fresh_causal = (self.fresh_causal and entry.start == 0 and draft is None
+                             and request.bidirectional_prefix <= 1)
         first_row, first_draft = len(self.input_ids), entry.start + entry.num_tokens
         self.offsets.append(first_row)
         cache_index = list(range(entry.start, first_draft))
@@ -117,6 +122,7 @@ class StepLayout:
         """
         first, used = self.offsets[-1], len(self.input_ids) - self.offsets[-1]
         n = stride - used
+        self.fresh_causal = False
         self.input_ids += [0] * n
         for row in self.positions:
             row += [0] * n
