@@ -79,6 +79,29 @@ def test_silu_and_mul_matches_eager(dtype):
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_kernel_matches_f_linear(dtype, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)  # 300: K not a multiple of the tile, masked
+    weight = torch.randn(70, 300, generator=g).to(DEVICE, dtype) / 10  # 70: a partial column tile
+    b = torch.randn(70, generator=g).to(DEVICE, dtype) if bias else None
+    assert fused_ops.gemv_fits(x, weight)
+    out = fused_ops.linear(x, weight, b)
+    torch.testing.assert_close(out, F.linear(x, weight, b), **tolerance(dtype))
+    # logits: rounded to the weights' dtype first, handed over as float32
+    wide = fused_ops.linear(x, weight, b, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, F.linear(x, weight, b).float(), **tolerance(dtype))
+
+
+def test_linear_past_the_row_limit_is_f_linear():
+    x, weight = torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8)
+    assert not fused_ops.gemv_fits(x, weight)
+    torch.testing.assert_close(fused_ops.linear(x, weight), F.linear(x, weight), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_model_with_fused_ops_matches_transformers(checkpoints, name):
     """Whole forward passes (prefill in chunks, then decode) with every fused kernel on."""

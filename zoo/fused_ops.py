@@ -7,6 +7,11 @@ replaces several of them and rounds at the same points as the PyTorch ops it
 replaces, so bf16 results match the eager path bit for bit except where
 Triton's ``exp``/``cos`` differ from PyTorch's by an ulp before rounding.
 
+``linear`` streams a weight matrix through a Triton kernel at the few rows of
+a decode step; the model uses it for the LM head, the one product where it
+beat cuBLAS on the H200 (5%; it lost on the layers' projections, so those stay
+with cuBLAS: bench/results/gpu/round2/gemv.txt).
+
 The model uses them only when the runner turns them on (CUDA with triton);
 on CPU the PyTorch ops run. Tests check each kernel against those ops in
 Triton's interpreter.
@@ -24,6 +29,18 @@ if triton is not None:
 
 def available() -> bool:
     return triton is not None
+
+
+# Rows up to which ``linear`` runs the weight-streaming kernel; past it cuBLAS's tiled GEMMs win (on the LM head
+# of a 128k vocabulary: 1.02 to 1.05 times cuBLAS's speed up to 32 rows, 0.94 at 64). 0 turns the kernel off.
+GEMV_MAX_ROWS = 32
+# (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
+# outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
+GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
+
+
+def gemv_config(n: int) -> tuple:
+    return next(config for width, config in sorted(GEMV_CONFIGS.items()) if n <= width)
 
 
 if triton is not None:
@@ -103,6 +120,67 @@ if triton is not None:
         up = tl.load(GateUp + row * stride_g + n_cols + cols, mask=valid, other=0.0).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds before the product
         tl.store(Out + row * stride_o + cols, (activated * up).to(dtype), mask=valid)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
+                     HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        row_ok = offs_m < rows
+        col_ok = cols < n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(0, k, BLOCK_K):
+            ks = start + offs_k
+            k_ok = ks < k
+            w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:  # float32 models: no TF32 rounding of the operands
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
+        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+    rows = x.shape[0]
+    n, k = weight.shape
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    block_n, block_k, stages, warps = gemv_config(n)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
+        IEEE=weight.dtype == torch.float32,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_stages=stages, num_warps=warps)
+    return out
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+              torch.float16: tl.float16} if triton is not None else {}
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` takes the Triton kernel for this input: few rows, contiguous operands."""
+    return (0 < x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and x.dtype == weight.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (cast to ``out_dtype`` after rounding to x's dtype) for ``x: [rows, k]``."""
+    if gemv_fits(x, weight):
+        return _gemv(x, weight, bias, out_dtype or x.dtype)
+    out = torch.nn.functional.linear(x, weight, bias)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

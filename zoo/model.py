@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from zoo import fused_ops
 from zoo.description import ModelDescription
@@ -43,6 +44,7 @@ class AttentionMetadata:
     draft_visible: torch.Tensor | None = None  # [T, max_draft] int8: 1 where the token sees draft token j
     has_tree: bool = False
     use_decode_kernel: bool = False
+    fresh_causal: bool = False  # whole prompts only: causal attention over the step's own keys, no mask
 
 
 @dataclass
@@ -169,6 +171,8 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
         return paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
                                       meta.token_seq, meta.token_cache_index, meta.draft_start, meta.draft_visible,
                                       scale, meta.has_tree)
+    if meta.fresh_causal:
+        return fresh_causal_attention(q, key_cache, value_cache, meta, scale)
     keys = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     num_seqs = meta.block_tables.shape[0]
@@ -182,6 +186,32 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
         enable_gqa=q.shape[1] != num_kv_heads,
     ).transpose(1, 2)
     return out[:, 0] if meta.max_query_len == 1 else out[meta.token_seq, meta.token_query_index]
+
+
+WHOLE_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def fresh_causal_attention(q, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Whole prompts: each sequence's keys are exactly its tokens of this step, so SDPA runs causally on them
+    (flash kernels) with no gather of cache blocks and no dense mask. Sequences are right-padded to the longest;
+    causality keeps every real query off the padding."""
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    keys = key_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping]  # rotated, as the cache holds them
+    values = value_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping]
+    num_seqs = meta.block_tables.shape[0]
+
+    def by_sequence(x):  # [T, heads, D] -> [B, heads, L, D]
+        if num_seqs == 1:
+            return x[None].transpose(1, 2)
+        padded = x.new_zeros(num_seqs, meta.max_query_len, *x.shape[1:])
+        padded[meta.token_seq, meta.token_query_index] = x
+        return padded.transpose(1, 2)
+
+    # Flash first: cuDNN's attention builds a plan per new shape, and whole-prompt steps come in many shapes.
+    with sdpa_kernel(WHOLE_PROMPT_BACKENDS):
+        out = F.scaled_dot_product_attention(by_sequence(q), by_sequence(keys), by_sequence(values), is_causal=True,
+                                             scale=scale, enable_gqa=q.shape[1] != kv_heads).transpose(1, 2)
+    return out[0] if num_seqs == 1 else out[meta.token_seq, meta.token_query_index]
 
 
 class LinearWrapper(nn.Module):
@@ -378,6 +408,7 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.hooks = hooks  # pluggy hook relay, for zoo_embed_modify
         self.captured_layers: frozenset[int] = frozenset()  # layers whose outputs step results carry
+        self.fused = False  # set by use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden_size]``, for the forward context's step."""
@@ -411,6 +442,7 @@ class DecoderModel(nn.Module):
         """Run RMSNorm(+add), rotary with the cache write and SiLU-and-mul as Triton kernels (GPU)."""
         desc = self.description
         head_ok = desc.head_dim % 2 == 0 and (desc.head_dim // 2) & (desc.head_dim // 2 - 1) == 0
+        self.fused = on
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = on
@@ -418,6 +450,10 @@ class DecoderModel(nn.Module):
                 module.fused = on and head_ok
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # With fused ops, the weight-streaming kernel: 5% faster than cuBLAS on a 128k vocabulary at decode batch
+        # sizes (bench/results/gpu/round2/gemv.txt), and the logits come out as float32 without another launch.
+        if self.fused and type(self.lm_head) is nn.Linear:  # rounded to the model dtype, stored as float32
+            return fused_ops.linear(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[Attention]:

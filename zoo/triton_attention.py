@@ -1,10 +1,16 @@
 """Paged attention for decode steps on GPU, in Triton (flash-decoding).
 
-One program handles one query token, one KV head (with the query heads that
-share it, for GQA) and one split of the context. It reads K/V straight from
-the paged cache through the block table, so nothing is gathered, and writes a
-partial result with its log-sum-exp; the splits are merged afterwards. Long
-contexts thus spread over the GPU even at batch 1.
+The context is cut into splits of ``BLOCKS_PER_SPLIT`` cache blocks. One
+program handles one query token, one KV head (with the query heads that share
+it, for GQA) and the splits ``lane, lane + lanes, ...`` of the token's context;
+the launch has as many lanes as keep about ``LAUNCH_PROGRAMS`` programs busy,
+so long contexts spread over the GPU even at batch 1 while a large batch
+launches no programs for context it does not have. K/V are read straight from
+the paged cache through the block table, so nothing is gathered. Each split
+writes a partial result with its log-sum-exp; a second kernel merges them.
+(Merging inside the decode kernel, by the lane that finishes last, was tried:
+at batch 1 it cost 15 us per step more than the second launch saved, so it
+is not here; bench/results/gpu/round2/profile_main_vs_new.txt.)
 
 Each query token sees cache indices ``j <= query_cache_index[t]`` and
 ``j < context_lens[seq]``; inside a draft block (``j >= draft_start[seq]``)
@@ -32,6 +38,9 @@ BLOCKS_PER_SPLIT = 4
 # in one tile was fastest: 23.7 us per layer at batch 64 and context 256, against 30.7 us for one block per
 # iteration, 154 against 254 us at batch 256 and context 700 (bench/results/gpu/decode_kernel.txt).
 BLOCKS_PER_ITER = 4
+# Programs launched per call, about: lanes per (token, KV head) = this over tokens x KV heads, at most the
+# splits of the widest block table. At batch 1 that is every split; at batch 64, four lanes.
+LAUNCH_PROGRAMS = 2048
 
 
 def available() -> bool:
@@ -56,65 +65,69 @@ if triton is not None:
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
-        split = tl.program_id(2)
+        lane = tl.program_id(2)
+        lanes = tl.num_programs(2)
         seq = tl.load(TokenSeq + token)
         last = tl.load(QueryCacheIndex + token)
         visible = tl.minimum(last + 1, tl.load(ContextLens + seq))
-        first_block = split * BLOCKS_PER_SPLIT
-        # Graphs launch splits for the longest context any sequence may have; past this token's
-        # context a split does nothing, and the merge skips it.
-        if first_block * BLOCK_SIZE < visible:
-            offs_g = tl.arange(0, GROUP_PAD)
-            offs_d = tl.arange(0, HEAD_DIM)
-            offs_k = tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)
-            heads = kv_head * GROUP + offs_g
-            group_mask = offs_g < GROUP
+        # Graphs launch lanes for a fixed batch; a lane computes splits lane, lane + lanes, ... of this token's
+        # context, so a short context leaves lanes idle and a long one loops, never launching empty programs
+        # for the longest context a sequence might have.
+        splits_used = tl.cdiv(visible, BLOCKS_PER_SPLIT * BLOCK_SIZE)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_k = tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)
+        heads = kv_head * GROUP + offs_g
+        group_mask = offs_g < GROUP
+        if lane < splits_used:
             q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=group_mask[:, None], other=0.0)
             if HAS_TREE:
                 draft_start = tl.load(DraftStart + seq)
-
-            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            l = tl.zeros([GROUP_PAD], tl.float32)
-            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-            for i in range(BLOCKS_PER_SPLIT // BLOCKS_PER_ITER):
-                tile_first = (first_block + i * BLOCKS_PER_ITER) * BLOCK_SIZE
-                if tile_first < visible:
-                    # BLOCKS_PER_ITER cache blocks in one tile: more loads in flight per iteration.
-                    positions = tile_first + offs_k
-                    valid = positions < visible
-                    blocks = tl.load(BlockTables + seq * stride_bt + positions // BLOCK_SIZE, mask=valid, other=0)
-                    kv_offsets = (blocks[:, None] * stride_kb + (positions % BLOCK_SIZE)[:, None] * stride_ks
-                                  + kv_head * stride_kh + offs_d[None, :])
-                    k = tl.load(KCache + kv_offsets, mask=valid[:, None], other=0.0)
-                    v = tl.load(VCache + kv_offsets, mask=valid[:, None], other=0.0)
-                    if IEEE:
-                        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                    else:
-                        s = tl.dot(q, tl.trans(k))
-                    s = s * scale
-                    if HAS_TREE:
-                        offset = positions - draft_start
-                        in_tree = offset >= 0
-                        sees = tl.load(DraftVisible + token * stride_vt + offset, mask=valid & in_tree, other=0)
-                        valid = valid & (~in_tree | (sees != 0))
-                    s = tl.where(valid[None, :], s, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(s, 1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp(s - m_safe[:, None])
-                    alpha = tl.exp(m - m_safe)
-                    l = l * alpha + tl.sum(p, 1)
-                    if IEEE:
-                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                    else:
-                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                    m = m_new
-            l_safe = tl.where(l > 0, l, 1.0)
-            out = acc / l_safe[:, None]
-            lse = tl.where(l > 0, m + tl.log(l_safe), float("-inf"))
-            tl.store(OutPartial + token * stride_ot + heads[:, None] * stride_oh + split * stride_os
-                     + offs_d[None, :], out, mask=group_mask[:, None])
-            tl.store(LsePartial + token * stride_lt + heads * stride_lh + split, lse, mask=group_mask)
+            for split in range(lane, splits_used, lanes):
+                first_block = split * BLOCKS_PER_SPLIT
+                m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                l = tl.zeros([GROUP_PAD], tl.float32)
+                acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+                for i in range(BLOCKS_PER_SPLIT // BLOCKS_PER_ITER):
+                    tile_first = (first_block + i * BLOCKS_PER_ITER) * BLOCK_SIZE
+                    if tile_first < visible:
+                        # BLOCKS_PER_ITER cache blocks in one tile: more loads in flight per iteration.
+                        positions = tile_first + offs_k
+                        valid = positions < visible
+                        blocks = tl.load(BlockTables + seq * stride_bt + positions // BLOCK_SIZE, mask=valid,
+                                         other=0)
+                        kv_offsets = (blocks[:, None] * stride_kb + (positions % BLOCK_SIZE)[:, None] * stride_ks
+                                      + kv_head * stride_kh + offs_d[None, :])
+                        k = tl.load(KCache + kv_offsets, mask=valid[:, None], other=0.0)
+                        v = tl.load(VCache + kv_offsets, mask=valid[:, None], other=0.0)
+                        if IEEE:
+                            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                        else:
+                            s = tl.dot(q, tl.trans(k))
+                        s = s * scale
+                        if HAS_TREE:
+                            offset = positions - draft_start
+                            in_tree = offset >= 0
+                            sees = tl.load(DraftVisible + token * stride_vt + offset, mask=valid & in_tree, other=0)
+                            valid = valid & (~in_tree | (sees != 0))
+                        s = tl.where(valid[None, :], s, float("-inf"))
+                        m_new = tl.maximum(m, tl.max(s, 1))
+                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        p = tl.exp(s - m_safe[:, None])
+                        alpha = tl.exp(m - m_safe)
+                        l = l * alpha + tl.sum(p, 1)
+                        if IEEE:
+                            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                        else:
+                            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                        m = m_new
+                l_safe = tl.where(l > 0, l, 1.0)
+                out = acc / l_safe[:, None]
+                lse = tl.where(l > 0, m + tl.log(l_safe), float("-inf"))
+                tl.store(OutPartial + token * stride_ot + heads[:, None] * stride_oh + split * stride_os
+                         + offs_d[None, :], out, mask=group_mask[:, None])
+                tl.store(LsePartial + token * stride_lt + heads * stride_lh + split, lse, mask=group_mask)
 
 
 if triton is not None:
@@ -154,7 +167,8 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
     lse_partial = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    _paged_decode_kernel[(tokens, kv_heads, num_splits)](
+    lanes = min(num_splits, max(1, -(-LAUNCH_PROGRAMS // (tokens * kv_heads))))
+    _paged_decode_kernel[(tokens, kv_heads, lanes)](
         q, key_cache, value_cache, out_partial, lse_partial,
         block_tables, context_lens, token_seq, query_cache_index, draft_start, draft_visible,
         scale,
