@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh [PART ...]     PART: gpu cpu tests anchor spec lora; default: gpu cpu tests
 #                                            `spec` = bench/speculative_gpu.py (SPEC_ARGS, SPEC_CAP_S)
 #                                            `lora` = bench/lora_gpu.py (LORA_ARGS, LORA_CAP_S)
+#                                            `profile` = bench/profile_gpu_step.py (PROFILE_ARGS, PROFILE_CAP_S)
+#                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
 #                                            `bench` = gpu cpu
 #
 # Both trees are installed the same way for the benchmarks: non-editable, with --no-deps, into their own
@@ -21,6 +23,7 @@
 # every call starts by removing any zoo-runtime left in site-packages by an earlier call.
 #
 # Environment knobs: ROUNDS (gpu.py runs per tree, interleaved base/current then current/base; default 2),
+# GPU_TREES (default "base current"; "current" skips the base tree), GPU_CAP_S (per gpu.py run; default 300),
 # GPU_ARGS (default --skip-hf), CPU_ARGS (extra bench/throughput.py arguments; default none),
 # DEADLINE_S (stop starting work after this many seconds; default 570, under the run tool's 600 s limit),
 # PY (default python3), FORCE_DEPS_TARGET=1 (test the fallback that installs the wheels into /tmp/zoo_deps).
@@ -52,7 +55,7 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec|lora) PARTS+=("$a") ;;
+    gpu|cpu|tests|anchor|spec|lora|profile|gemv) PARTS+=("$a") ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -166,7 +169,8 @@ if [ -n "${FORCE_DEPS_TARGET:-}" ] || ! "$PY" -c "import hydra, omegaconf, plugg
   DEPS_PATH=/tmp/zoo_deps
   status "note    dependencies from PYTHONPATH=$DEPS_PATH (site-packages install failed or FORCE_DEPS_TARGET)"
 fi
-if want gpu || want cpu; then
+GPU_TREES=${GPU_TREES:-base current}
+if { want gpu && [ "$GPU_TREES" != current ]; } || want cpu; then
   run_part install_base 120 "$STAGE/install_base.log" install_target "$ROOT/.carry/base" /tmp/zoo_base
 fi
 run_part install_current 120 "$STAGE/install_current.log" install_target "$ROOT" /tmp/zoo_current
@@ -194,11 +198,13 @@ gpu_round() {  # gpu_round TREE ROUND
   local t=$1 r=$2 script dir=$STAGE/$1/gpu_r$2
   if [ "$t" = base ]; then script=$ROOT/.carry/base/bench/gpu.py; else script=$ROOT/bench/gpu.py; fi
   # shellcheck disable=SC2086
-  run_part "gpu $t r$r" 300 "$STAGE/$t/gpu_r$r.log" with_tree "$t" "$PY" "$script" $GPU_ARGS --out "$dir"
+  run_part "gpu $t r$r" "${GPU_CAP_S:-300}" "$STAGE/$t/gpu_r$r.log" with_tree "$t" "$PY" "$script" $GPU_ARGS --out "$dir"
+  cp "$dir"/gpu.md "$dir"/gpu.png "$OUT/$t/" 2>/dev/null
 }
 if want gpu; then
   for r in $(seq 1 "$ROUNDS"); do
     if [ $((r % 2)) -eq 1 ]; then order="base current"; else order="current base"; fi
+    [ "$GPU_TREES" = current ] && order=current
     for t in $order; do gpu_round "$t" "$r"; done
     "$PY" - "$STAGE" "$OUT" <<'EOF'
 import json, sys
@@ -221,6 +227,19 @@ if want cpu; then
       with_tree "$t" "$PY" "$script" $CPU_ARGS --json "$STAGE/$t/throughput.json"
     cp "$STAGE/$t/throughput.json" "$OUT/$t/throughput.json" 2>/dev/null
   done
+fi
+
+# ---------------------------------------------------------------- optional: where the decode step's time goes
+if want profile; then
+  mkdir -p "$OUT/profile"
+  # shellcheck disable=SC2086
+  run_part "profile_gpu_step" "${PROFILE_CAP_S:-300}" "$OUT/profile/profile.log" \
+    with_tree current "$PY" "$ROOT/bench/profile_gpu_step.py" --out "$OUT/profile" ${PROFILE_ARGS:-}
+fi
+if want gemv; then
+  # shellcheck disable=SC2086
+  run_part "gemv_kernel" "${GEMV_CAP_S:-200}" "$STAGE/gemv.log" \
+    with_tree current "$PY" "$ROOT/bench/gemv_kernel.py" --out "$OUT/gemv.txt" ${GEMV_ARGS:-}
 fi
 
 # ---------------------------------------------------------------- (c) tests on CUDA, current tree

@@ -1,15 +1,26 @@
-"""Where a decode step's time goes on the GPU machine: prepare, forward (graph replay), sampling and commit.
+"""Where a decode step's time goes on the GPU (issue 15): host work, the graph replay, and its kernels.
 
-    python bench/profile_gpu_step.py --batch 1 64 --steps 64 --fused-ops on off
-Writes, per configuration and batch size, the split per step and torch.profiler's top operators to stdout.
+    python bench/profile_gpu_step.py --batch 1 64 --variants main all --out OUT
+
+For each variant (a set of kernel switches, below) and batch size, on the Llama-3.2-1B shape of bench/gpu.py:
+  * the engine's decode step (wall), split into prepare / run / commit (sampling and its sync) / the rest,
+    timed on the host without extra synchronisation;
+  * the decode graph replayed back to back, timed with CUDA events: the GPU's own time per step;
+  * torch.profiler over graph replays: per kernel name, launches per step, time per step, and the idle gap
+    before it (from the end of the previous kernel), and the total gap per step;
+  * a whole-prompt prefill: one 2,048-token prompt and a batch of 16 prompts of 1,024 tokens.
+Writes OUT/profile.json and OUT/profile.txt (the tables as printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -17,69 +28,182 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu import write_checkpoint  # noqa: E402
 
+# The switches of issue 15's changes: the decode kernel launches lanes that loop over splits instead of a
+# program per possible split (lanes); the LM head's weight-streaming kernel (gemv_rows); whole prompts without
+# the mask (fresh).
+VARIANTS = {
+    "main": dict(lanes=False, gemv_rows=0, fresh=False),
+    "new": dict(lanes=True, gemv_rows=32, fresh=True),
+}
+
+
+def apply(variant: dict) -> None:
+    from zoo import fused_ops, triton_attention
+
+    triton_attention.LAUNCH_PROGRAMS = 2048 if variant["lanes"] else 1 << 40
+    fused_ops.GEMV_MAX_ROWS = variant["gemv_rows"]
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, nargs="+", default=[1])
-    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--steps", type=int, default=128)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--fused-ops", nargs="+", choices=["on", "off"], default=["on"])
-    p.add_argument("--table-rows", type=int, default=25)
+    p.add_argument("--variants", nargs="+", default=["main", "new"], choices=list(VARIANTS))
+    p.add_argument("--table-rows", type=int, default=16)
+    p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--out", default=None)
     args = p.parse_args()
     from zoo import LLM
 
+    report, lines = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}, []
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp), args.layers)
-        for fused in args.fused_ops:
+        for name in args.variants:
+            apply(VARIANTS[name])
             llm = LLM(tmp, dtype="bfloat16", max_num_seqs=max(64, *args.batch), max_model_len=2048,
-                      fused_ops=fused == "on", gpu_memory_utilization=0.5)
+                      max_num_batched_tokens=16384, gpu_memory_utilization=0.5)
+            llm.engine.runner.fresh_causal_path = VARIANTS[name]["fresh"]
+            entry = report["variants"][name] = {"switches": VARIANTS[name], "decode": {}}
+            say(f"=== variant {name}: {VARIANTS[name]}")
             for batch in args.batch:
-                print(f"=== fused_ops {fused}", flush=True)
-                profile(llm, batch, args.steps, args.table_rows)
+                entry["decode"][batch] = profile_decode(llm, batch, args.steps, args.table_rows, say)
+            if not args.no_prefill:
+                entry["prefill"] = profile_prefill(llm, say)
             del llm
             torch.cuda.empty_cache()
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.json").write_text(json.dumps(report, indent=1))
+        (out / "profile.txt").write_text("\n".join(lines) + "\n")
     return 0
 
 
-def profile(llm, batch, steps, table_rows):
+def profile_decode(llm, batch, steps, table_rows, say) -> dict:
     from zoo import SamplingParams
 
     engine, runner = llm.engine, llm.engine.runner
-    spent = {"prepare": 0.0, "run (synchronized)": 0.0, "sampler.select": 0.0}
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, engine.description.vocab_size, (batch, 128), generator=g).tolist()
+    llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    spent = defaultdict(float)
+    wrapped = {}
 
-    def timed(name, fn, sync=False):
+    def timed(owner, attr, label):
+        fn = getattr(owner, attr)
+        wrapped[(owner, attr)] = fn
+
         def wrapper(*a, **k):
             start = time.perf_counter()
             out = fn(*a, **k)
-            if sync:
-                torch.cuda.synchronize()
-            spent[name] += time.perf_counter() - start
+            spent[label] += time.perf_counter() - start
             return out
-        return wrapper
+        setattr(owner, attr, wrapper)
 
-    prompts = [[1] * 128 for _ in range(batch)]
-    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    runner.prepare = timed("prepare", runner.prepare)
-    runner.run = timed("run (synchronized)", runner.run, sync=True)
-    engine.sampler.select = timed("sampler.select", engine.sampler.select)
+    timed(runner, "prepare", "prepare (host)")
+    timed(runner, "run", "run (graph launch)")
+    timed(engine.committer, "commit_step", "commit (argmax, sync, commit)")
+    timed(engine.scheduler, "schedule", "schedule (host)")
+    runs = {}
+    for new_tokens in (33, 33 + steps):  # the difference of two runs: decode steps only, no prefill or ramp
+        spent.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        torch.cuda.synchronize()
+        runs[new_tokens] = (time.perf_counter() - start, dict(spent))
+    for (owner, attr) in wrapped:
+        owner.__dict__.pop(attr, None)
+    (short_s, short), (long_s, long) = runs[33], runs[33 + steps]
+    step_ms = 1000 * (long_s - short_s) / steps
+    split = {label: 1000 * (long[label] - short.get(label, 0.0)) / steps for label in long}
+    split["rest of Engine.step and generate"] = step_ms - sum(split.values())
+
+    size = runner.graphs.size_for("decode", batch)
+    graph, outputs = runner.graphs.graphs[("decode", size)]
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 20)
+    graph_ms = min(times)
+    logits = outputs[0][:batch]
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(20):
+        logits.argmax(-1)
+    b.record()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate(prompts, params)
-    torch.cuda.synchronize()
-    total = time.perf_counter() - start
-    for name in ("prepare", "run", "select"):  # unwrap for the next batch size
-        for owner in (runner, engine.sampler):
-            owner.__dict__.pop(name, None)
-    print(f"batch {batch}, {steps} steps: {1000 * total / steps:.3f} ms per step")
-    for name, seconds in spent.items():
-        print(f"  {name:22s} {1000 * seconds / steps:.3f} ms per step")
-    print(f"  {'rest of Engine.step':22s} {1000 * (total - sum(spent.values())) / steps:.3f} ms per step")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=table_rows))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=table_rows), flush=True)
+    argmax_ms = a.elapsed_time(b) / 20
+
+    replays = 10
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            logits.argmax(-1)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    table = defaultdict(lambda: [0, 0.0, 0.0])  # name -> launches, busy us, gap-before us
+    gap_total, busy_total, previous_end = 0.0, 0.0, None
+    for e in kernels:
+        gap = max(0.0, e.time_range.start - previous_end) if previous_end is not None else 0.0
+        gap = gap if gap < 200 else 0.0  # the host's turn between replays is not a gap inside the step
+        row = table[e.name]
+        row[0] += 1
+        row[1] += e.time_range.elapsed_us()
+        row[2] += gap
+        gap_total += gap
+        busy_total += e.time_range.elapsed_us()
+        previous_end = e.time_range.end
+    rows = sorted(table.items(), key=lambda kv: -kv[1][1] - kv[1][2])
+    say(f"batch {batch}: engine step {step_ms:.3f} ms; graph replay {graph_ms:.3f} ms; argmax {1000 * argmax_ms:.1f} us")
+    for label, ms in split.items():
+        say(f"  {label:32s} {ms:.3f} ms per step")
+    say(f"  kernels per step {len(kernels) / replays:.0f}: busy {busy_total / replays:.1f} us, "
+        f"gaps {gap_total / replays:.1f} us (under the profiler)")
+    say(f"  | kernel | per step | us per step | gap before, us per step |")
+    say(f"  |---|---|---|---|")
+    for name, (count, busy, gap) in rows[:table_rows]:
+        say(f"  | {name[:60]} | {count / replays:.0f} | {busy / replays:.1f} | {gap / replays:.1f} |")
+    return {"step_ms": step_ms, "graph_ms": graph_ms, "argmax_us": 1000 * argmax_ms, "split_ms": split,
+            "kernels_per_step": len(kernels) / replays, "busy_us": busy_total / replays,
+            "gap_us": gap_total / replays,
+            "kernels": [{"name": n, "per_step": c / replays, "us": b / replays, "gap_us": gp / replays}
+                        for n, (c, b, gp) in rows]}
+
+
+def profile_prefill(llm, say) -> dict:
+    from zoo import SamplingParams
+
+    vocab = llm.engine.description.vocab_size
+    results = {}
+    for batch, length in ((1, 2048 - 8), (16, 1024)):
+        g = torch.Generator().manual_seed(1000 + batch)
+        best = None
+        for _ in range(3):  # fresh random prompts each time: no prefix cache hits
+            prompts = torch.randint(0, vocab, (batch, length), generator=g).tolist()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            best = elapsed if best is None else min(best, elapsed)
+        results[f"{batch}x{length}"] = {"seconds": best, "tok_s": batch * length / best}
+        say(f"prefill {batch} x {length}: {1000 * best:.1f} ms, {batch * length / best:.0f} tok/s")
+    return results
 
 
 if __name__ == "__main__":

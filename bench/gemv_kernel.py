@@ -1,0 +1,99 @@
+"""The weight-streaming linear kernel (zoo.fused_ops.linear) against cuBLAS (F.linear) on Llama-3.2-1B's projections.
+
+    python bench/gemv_kernel.py [--sweep] [--out FILE]
+
+Each timing replays a CUDA graph of 20 calls, as decode steps do, so launch costs stay out of it; figures are
+microseconds per call and the weight bytes read per second. ``--sweep`` first tries tile configurations at 1
+and 16 rows and prints the best per shape (the values for fused_ops.GEMV_CONFIGS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+from zoo import fused_ops
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+          "lm_head": (128256, 2048)}
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    best = None
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        us = 1000 * start.elapsed_time(end) / (replays * calls)
+        best = us if best is None else min(best, us)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    lines = []
+
+    def say(text):
+        print(text, flush=True)
+        lines.append(text)
+
+    weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 30 for name, (n, k) in SHAPES.items()}
+    say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.sweep:
+        configs = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 5), (4,)))
+        chosen = fused_ops.GEMV_CONFIGS
+        say("| shape | rows | best (BLOCK_N, BLOCK_K, stages, warps) | us | cuBLAS us |")
+        say("|---|---|---|---|---|")
+        for name, w in weights.items():
+            for rows in (1, 16):
+                x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+                results = []
+                for config in configs:
+                    if config[0] * config[1] > 64 * 512:
+                        continue
+                    fused_ops.GEMV_CONFIGS = {1 << 62: config}
+                    try:
+                        results.append((graph_time(lambda: fused_ops.linear(x, w)), config))
+                    except Exception as exc:  # noqa: BLE001 - a tile that does not fit shared memory
+                        say(f"  {name} {config}: {type(exc).__name__}")
+                best = min(results)
+                cublas = graph_time(lambda: torch.nn.functional.linear(x, w))
+                say(f"| {name} {tuple(w.shape)} | {rows} | {best[1]} | {best[0]:.2f} | {cublas:.2f} |")
+        fused_ops.GEMV_CONFIGS = chosen
+    fused_ops.GEMV_MAX_ROWS = max(ROWS)
+    say(f"configs {fused_ops.GEMV_CONFIGS}")
+    say("| shape | rows | kernel us | kernel TB/s | cuBLAS us | cuBLAS TB/s | cuBLAS / kernel |")
+    say("|---|---|---|---|---|---|---|")
+    for name, w in weights.items():
+        nbytes = w.numel() * w.element_size()
+        for rows in ROWS:
+            x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            ours = graph_time(lambda: fused_ops.linear(x, w))
+            cublas = graph_time(lambda: torch.nn.functional.linear(x, w))
+            say(f"| {name} | {rows} | {ours:.2f} | {nbytes / ours / 1e6:.2f} | {cublas:.2f} | "
+                f"{nbytes / cublas / 1e6:.2f} | {cublas / ours:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("Command (H200): python3 bench/gemv_kernel.py " + " ".join(sys.argv[1:]) + "\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
