@@ -20,8 +20,17 @@ class Committer:
         self.sampler: Sampler = engine.sampler
         self.token_hooks = bool(self.hooks.zoo_token_generated.get_hookimpls())  # skip a per-token no-op call
 
-    def commit_step(self, batch: StepBatch, output: StepOutput) -> list[SequenceResult]:
-        """Sample the plain rows together, verify the drafted ones, and commit every request's tokens."""
+    def commit_step(self, batch: StepBatch, output: StepOutput, tokens: list[int] | None = None) -> list[SequenceResult]:
+        """Sample the plain rows together, verify the drafted ones, and commit every request's tokens.
+
+        ``tokens``: the plain rows' tokens, already chosen (an overlapped step's argmax, copied to the host), for
+        a step of plain decodes. A request that finished since the step was launched gets nothing from it.
+        """
+        if tokens is not None:
+            kept = [(e, o, r, t) for e, o, r, t in zip(batch.scheduled, batch.token_offsets, batch.logits_rows,
+                                                        tokens) if not e.request.is_finished]
+            self.greedy, self.moves = {}, ([], [])
+            return [self._advance(entry, offset, output.logits, rows, token) for entry, offset, rows, token in kept]
         plain = [i for i, e in enumerate(batch.scheduled) if e.samples and e.draft is None]
         chosen = {}
         if plain:

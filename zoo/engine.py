@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
+
+import torch
 
 from zoo import fused_ops
 from zoo.adapters import Adapters
@@ -20,10 +23,10 @@ from zoo.plugins import architecture_owners, load_plugins, select_plugins
 from zoo.request import Request
 from zoo.sampler import Sampler
 from zoo.sampling_params import SamplingParams
-from zoo.scheduler import Scheduler
+from zoo.scheduler import ScheduledRequest, Scheduler
 from zoo.settings import check_settings
 from zoo.stats import EngineStats, summary
-from zoo.step import StepResults
+from zoo.step import StepBatch, StepResults
 
 
 def check_model_option(model, architecture: str, plugin_manager) -> None:
@@ -35,6 +38,18 @@ def check_model_option(model, architecture: str, plugin_manager) -> None:
         raise ZooError(f"model={model.get('name')} is for checkpoints of plugin {expected}, but {model.get('path')} "
                        f"holds {architecture} (plugin {owner}); leave out model= (model=llama takes any "
                        f"architecture) or choose the option for it")
+
+
+@dataclass
+class InFlight:
+    """A step of plain decodes launched but not committed: its argmax on its way to the host."""
+
+    batch: StepBatch
+    output: object  # StepOutput; a graph's outputs, which the next replay overwrites
+    tokens: torch.Tensor  # [rows] on the device
+    host_tokens: torch.Tensor  # the same, copied to (pinned) host memory
+    copied: object  # CUDA event after the copy, None on CPU
+    unrecorded_s: float  # host time spent launching it, counted when it is committed
 
 
 class Engine:
@@ -73,6 +88,15 @@ class Engine:
         self.intake = RequestIntake(self)
         self.committer = Committer(self)
         self.draft_failures = 0  # steps whose drafts the decoding method failed to propose
+        # Overlapped steps: a plain decode step's successor is launched before the step is committed, so the
+        # host's commit (and the next layout) runs while the GPU computes. See _launch_next.
+        self.overlap_steps = bool(runtime["overlap_steps"])
+        self.step_result_hooks = bool(self.hooks.zoo_step_results.get_hookimpls())
+        self.inflight: InFlight | None = None
+        self.overlapped_steps = 0
+        self._token_buffers = ([torch.empty(int(runtime["max_num_seqs"]), dtype=torch.int64, pin_memory=True)
+                                for _ in range(2)] if self.device.type == "cuda" else None)
+        self._next_buffer = 0
 
     def _start_runner(self, runtime) -> ModelRunner:
         """The runner, what plugins add at engine start, the KV cache sized around both, then graphs."""
@@ -111,7 +135,7 @@ class Engine:
         return self.intake.reject(message, output_id=output_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.inflight is not None or self.scheduler.has_work()
 
     def finish(self, request: Request) -> None:
         self.scheduler.finish(request)
@@ -122,8 +146,17 @@ class Engine:
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[tuple[Request, list[int]]]:
-        """Run one forward pass; returns ``(request, new_token_ids)`` for requests that advanced."""
+        """Run one forward pass; returns ``(request, new_token_ids)`` for requests that advanced.
+
+        With ``runtime.overlap_steps``, a step of plain decodes is committed one call later: the call that
+        launches it returns nothing, and each later call launches the next step before committing this one.
+        """
         start = time.perf_counter()
+        if self.inflight is not None:
+            pending = self.inflight
+            self.inflight = self._launch_next(pending)
+            return self._commit(pending.batch, pending.output, start - pending.unrecorded_s,
+                                self._host_tokens(pending))
         decoding = self.scheduler.decoding_requests() if self.decoding else []
         if len(decoding) > self.draft_batch_limit:  # under load a verify step costs more than its drafts gain
             decoding = []
@@ -134,13 +167,78 @@ class Engine:
             return []
         batch = self.runner.prepare(scheduled)
         output = self.runner.run(batch)
+        if self._overlappable(batch):
+            self.inflight = self._in_flight(batch, output, time.perf_counter() - start)
+            return []
+        return self._commit(batch, output, start)
+
+    def _commit(self, batch, output, start: float, tokens: list[int] | None = None) -> list:
         generated_before = self.stats.generated_tokens
-        sequences = self.committer.commit_step(batch, output)
+        sequences = self.committer.commit_step(batch, output, tokens)
         self.hooks.zoo_step_results(results=StepResults(sequences, output))
-        prefill = sum(e.num_tokens for e in scheduled if e.num_tokens > 1 or not e.samples)
+        prefill = sum(e.num_tokens for e in batch.scheduled if e.num_tokens > 1 or not e.samples)
         self.stats.record_step(prefill, self.stats.generated_tokens - generated_before, time.perf_counter() - start,
                                self.blocks.num_used_blocks)
         return [(s.request, s.new_tokens) for s in sequences if s.new_tokens]
+
+    # ---------------------------------------------------------------- overlapped steps
+
+    def _overlappable(self, batch) -> bool:
+        """Plain decodes whose next step needs nothing from the host but their tokens: greedy with nothing
+        applied to the logits, no log-probs, no drafting method, no plugin reading positions or step outputs
+        (the next replay overwrites a graph's outputs before this step is committed)."""
+        return (self.overlap_steps and self.decoding is None and not self.step_result_hooks
+                and not self.runner.position_hooks
+                and all(e.num_tokens == 1 and e.samples and e.draft is None and e.request.params.logprobs is None
+                        and self.sampler.plain_greedy(e.request) for e in batch.scheduled))
+
+    def _in_flight(self, batch, output, unrecorded_s: float) -> InFlight:
+        """Start the step's argmax and its copy to the host; nothing waits for them here."""
+        rows = len(batch.scheduled)
+        tokens = output.logits[:rows].argmax(-1)
+        if self._token_buffers is None:
+            return InFlight(batch, output, tokens, tokens, None, unrecorded_s)
+        host = self._token_buffers[self._next_buffer][:rows]  # two buffers: the step in flight and the next
+        self._next_buffer ^= 1
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return InFlight(batch, output, tokens, host, copied, unrecorded_s)
+
+    @staticmethod
+    def _host_tokens(pending: InFlight) -> list[int]:
+        if pending.copied is not None:
+            pending.copied.synchronize()  # this step's tokens only: the next step keeps running
+        return pending.host_tokens.tolist()
+
+    def _launch_next(self, pending: InFlight) -> InFlight | None:
+        """The step after ``pending``, for the same requests, launched before ``pending`` is committed: each
+        request's next input is its token of ``pending``, copied on the device. None where the scheduler must
+        decide instead: requests waiting, no free block, or every request ending with ``pending`` for sure.
+        A request that ``pending`` turns out to finish (a stop token) has its extra token dropped at commit."""
+        if self.scheduler.waiting:
+            return None
+        entries, rows = [], []
+        for row, entry in enumerate(pending.batch.scheduled):
+            request = entry.request
+            if (request.is_finished or len(request.output_token_ids) + 1 >= request.params.max_new_tokens
+                    or request.num_tokens + 1 >= self.max_model_len):
+                continue  # ends with pending's token
+            if not self.blocks.ensure_slots(request, request.num_tokens + 1):
+                return None
+            entries.append(ScheduledRequest(request, request.num_tokens, 1, token_on_device=True))
+            rows.append(row)
+        if not entries:
+            return None
+        start = time.perf_counter()
+        batch = self.runner.prepare(entries)
+        tokens = pending.tokens
+        if len(rows) < len(pending.batch.scheduled):
+            tokens = tokens[torch.tensor(rows, device=tokens.device)]
+        self.runner.buffers["input_ids"][:len(entries)].copy_(tokens)
+        output = self.runner.run(batch)
+        self.overlapped_steps += 1
+        return self._in_flight(batch, output, time.perf_counter() - start)
 
     def _drafts(self, decoding: list[Request]) -> dict:
         """The method's draft blocks; a failing method costs this step its drafts, never a token."""

@@ -24,12 +24,15 @@ class ScheduledRequest:
     start: int  # cache index of the first token computed this step
     num_tokens: int  # committed tokens computed this step
     draft: DraftBlock | None = None
+    # The step's input token is the previous step's, still on the device (an overlapped step, launched before
+    # that token was committed): the layout writes a placeholder and the engine copies the token in.
+    token_on_device: bool = False
     # True when this step reaches the request's last token, so it yields logits. Fixed when
     # scheduled: committing the step's tokens later must not change what the step was.
     samples: bool = field(init=False)
 
     def __post_init__(self):
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        self.samples = self.token_on_device or self.start + self.num_tokens == self.request.num_tokens
 
     @property
     def num_query_tokens(self) -> int:

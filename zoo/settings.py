@@ -75,6 +75,7 @@ RUNTIME = {
     "cuda_graphs": Setting(bool),
     "fused_ops": Setting(bool),
     "enforce_eager": Setting(bool),
+    "overlap_steps": Setting(bool),
     "seed": Setting(int, 0),
     "max_loras": Setting(int, 1),
     "max_lora_rank": Setting(int, 1),

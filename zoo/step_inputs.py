@@ -64,7 +64,7 @@ class StepLayout:
         self.logits_rows.append([len(self.logits_indices)] if entry.samples else [])
         if entry.samples:
             self.logits_indices.append(len(self.input_ids))
-        self.input_ids.append(request.token_at(i))
+        self.input_ids.append(0 if entry.token_on_device else request.token_at(i))
         self.positions[0].append(i)
         self.slots.append(request.block_ids[i // self.block_size] * self.block_size + i % self.block_size)
         self.token_seq.append(b)
