@@ -40,6 +40,22 @@ def test_graphs_on_and_off_give_identical_tokens(checkpoints, dtype):
     assert runs["graphs"] == runs["eager"]
 
 
+def test_overlapped_steps_give_the_tokens_of_ordinary_steps_under_graphs(checkpoints):
+    """runtime.overlap_steps on CUDA: the next step's inputs copied on the device, the tokens through a pinned
+    buffer and an event, graph outputs overwritten by the next replay before the commit."""
+    folder, model = checkpoints["llama"]
+    prompts = prompt_set() * 3
+    lengths = [24, 5, 17, 24, 2, 11] * 3
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(str(folder), device="cuda", dtype="float32", overlap_steps=overlap)
+        runs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert (llm.engine.overlapped_steps > 0) == overlap
+    assert runs[True] == runs[False]
+    assert runs[True][0] == hf_greedy(model, prompts[0], 24)[0]
+
+
 BF16_LOGPROB_ATOL = 0.1  # bf16 weights and activations, different kernels and summation orders
 
 
