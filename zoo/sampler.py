@@ -47,6 +47,8 @@ class Sampler:
 
     def select(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> list[int]:
         """Next token for each row of raw ``logits``; row ``i`` follows ``histories[i]``."""
+        if all(self.plain_greedy(r) for r in requests):  # the common decode step: no copy of the logits
+            return logits.argmax(-1).tolist()
         logits = self.process(logits, requests, histories)
         tokens = logits.argmax(-1).tolist()  # greedy rows: one op for the whole batch
         sampled = [i for i, r in enumerate(requests) if r.params.temperature > 0]
