@@ -13,34 +13,18 @@ import argparse
 import itertools
 import sys
 
+from pathlib import Path
+
 import torch
 
 from zoo import fused_ops
 
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_kernel import graph_time  # noqa: E402
+
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
           "lm_head": (128256, 2048)}
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    best = None
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us = 1000 * start.elapsed_time(end) / (replays * calls)
-        best = us if best is None else min(best, us)
-    return best
 
 
 def main() -> int:
