@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zoo import fused_ops
+from zoo import fused_ops, parallel
 from zoo.adapters import Adapters
 from zoo.block_manager import BlockManager
 from zoo.commit import Committer
@@ -71,7 +71,8 @@ class Engine:
         self.draft_step_tokens = draft_limit(config["decoding"], "draft_tokens_per_step")
         self.decoding = choose_method(self.plugin_manager, config["decoding"]["name"], self)
         self.adapters = Adapters(self.plugin_manager, self)
-        self.model = load_model(self.checkpoint, self.hooks, self.dtype, self.device)
+        self.parallel = parallel.start(int(runtime["tensor_parallel_size"]), self.device)
+        self.model = load_model(self.checkpoint, self.hooks, self.dtype, self.device, self.parallel)
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
         self.model.fuse_projections()
         self.uses_fused_ops = self.device.type == "cuda" and fused_ops.available() and bool(runtime["fused_ops"])
@@ -106,7 +107,8 @@ class Engine:
         limits = RunnerLimits(max_tokens + max_num_seqs * max_draft, self.max_model_len, max_num_seqs,
                               blocks_per_seq, self.block_size, max_draft)
         try:
-            runner = ModelRunner(self.model, self.description, limits, self.dtype, self.device, self.hooks,
+            # The model's own description: under tensor parallelism, this rank's heads (its KV cache's shape).
+            runner = ModelRunner(self.model, self.model.description, limits, self.dtype, self.device, self.hooks,
                                  attention_backend=str(runtime["attention_backend"]))
         except ValueError as exc:
             raise ZooError(str(exc)) from None
@@ -114,6 +116,8 @@ class Engine:
         self.hooks.zoo_engine_start(engine=self, setup=self.setup)
         self.num_blocks, self.profile_peak_bytes = plan_num_blocks(runtime, runner.kv, runner.profile_peak_memory,
                                                                    blocks_per_seq * max_num_seqs)
+        if self.parallel is not None:  # the same schedule on every rank needs the same cache
+            self.num_blocks = self.parallel.agree_on_min(self.num_blocks)
         runner.kv.allocate(self.num_blocks)
         self.uses_cuda_graphs = (self.device.type == "cuda" and bool(runtime["cuda_graphs"])
                                  and not runtime["enforce_eager"] and runner.decode_kernel)

@@ -124,10 +124,15 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: DecoderModel, folder: Path, hooks) -> None:
+def load_weights(model: DecoderModel, folder: Path, hooks, parallel=None, full=None) -> None:
+    """Every parameter from the folder's safetensors. With ``parallel`` (a tensor-parallel rank, ``full`` the
+    unsplit description) each tensor is read as this rank's slice only; ``model.loaded_bytes`` counts them."""
     from safetensors import SafetensorError, safe_open
 
+    from zoo.parallel import read_shard
+
     params = dict(model.named_parameters(remove_duplicate=False))
+    model.loaded_bytes = 0
     loaded: set[str] = set()
     unexpected: list[str] = []
     files = _safetensors_files(folder)
@@ -136,7 +141,15 @@ def load_weights(model: DecoderModel, folder: Path, hooks) -> None:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as reader:  # memory-mapped
                 for name in reader.keys():
-                    tensor = reader.get_tensor(name)
+                    if parallel is not None:
+                        if name not in params:
+                            unexpected.append(name)
+                            continue
+                        tensor, read = read_shard(reader, name, name, full, parallel, tuple(params[name].shape))
+                    else:
+                        tensor = reader.get_tensor(name)
+                        read = tensor.numel() * tensor.element_size()
+                    model.loaded_bytes += read
                     converted = hooks.zoo_weights_convert(description=model.description, name=name, tensor=tensor)
                     for zoo_name, value in converted if converted is not None else [(name, tensor)]:
                         param = params.get(zoo_name)
@@ -211,8 +224,24 @@ def _open_folder(folder: Path, plugin_manager, source: str) -> Checkpoint:
     return Checkpoint(description, tokenizer, source, folder)
 
 
-def load_model(checkpoint: Checkpoint, hooks, dtype: torch.dtype, device: torch.device) -> DecoderModel:
-    """The model with the weights of the checkpoint, or random ones from the embedded default's seed."""
+def load_model(checkpoint: Checkpoint, hooks, dtype: torch.dtype, device: torch.device,
+               parallel=None) -> DecoderModel:
+    """The model with the weights of the checkpoint, or random ones from the embedded default's seed.
+    With ``parallel``, this rank's slices of a checkpoint's weights (``zoo.parallel``)."""
+    if parallel is not None:
+        from zoo.parallel import split_description
+
+        if checkpoint.folder is None:
+            raise ZooError("runtime.tensor_parallel_size > 1 needs a checkpoint folder (model.path=...)")
+        if hooks.zoo_weights_convert.get_hookimpls():
+            raise ZooError(f"runtime.tensor_parallel_size > 1: {checkpoint.description.architecture} checkpoints "
+                           f"are converted while they load, which the tensor-parallel loader does not do yet; "
+                           f"it reads the Llama layout (Llama, Qwen2, Mistral)")
+        parallel.vocab_size = checkpoint.description.vocab_size
+        model = build_empty_model(split_description(checkpoint.description, parallel.world), hooks, dtype, device)
+        load_weights(model, checkpoint.folder, hooks, parallel, checkpoint.description)
+        model.use_tensor_parallel(parallel)
+        return model.eval()
     if checkpoint.folder is not None:
         model = build_empty_model(checkpoint.description, hooks, dtype, device)
         load_weights(model, checkpoint.folder, hooks)

@@ -375,6 +375,7 @@ class DecoderLayer(nn.Module):
         # times a factor (ChatGLM's alpha): ModelDescription.residual.
         self.residual_of_normed = desc.residual == "normed"
         self.residual_scale = desc.residual_scale
+        self.parallel = None  # zoo.parallel.TensorParallel, set by DecoderModel.use_tensor_parallel
 
     def _residual(self, normed, summed):
         return normed * self.residual_scale if self.residual_of_normed else summed
@@ -383,8 +384,14 @@ class DecoderLayer(nn.Module):
         """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
         normed, hidden = add_norm(self.input_layernorm, hidden, residual)
         residual = self._residual(normed, hidden)
-        normed, hidden = add_norm(self.post_attention_layernorm, self.self_attn(normed, rope), residual)
-        return self.mlp(normed), self._residual(normed, hidden)
+        attended = self.self_attn(normed, rope)
+        if self.parallel is not None:  # o_proj is split by its input columns: each rank holds a partial sum
+            attended = self.parallel.all_reduce(attended)
+        normed, hidden = add_norm(self.post_attention_layernorm, attended, residual)
+        out = self.mlp(normed)
+        if self.parallel is not None:  # the same for down_proj
+            out = self.parallel.all_reduce(out)
+        return out, self._residual(normed, hidden)
 
 
 class Backbone(nn.Module):
@@ -409,6 +416,7 @@ class DecoderModel(nn.Module):
         self.hooks = hooks  # pluggy hook relay, for zoo_embed_modify
         self.captured_layers: frozenset[int] = frozenset()  # layers whose outputs step results carry
         self.fused = False  # set by use_fused_ops
+        self.parallel = None  # set by use_tensor_parallel
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden_size]``, for the forward context's step."""
@@ -430,7 +438,21 @@ class DecoderModel(nn.Module):
     def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Ids past the vocabulary are rows of a per-request table (prompt tuning's virtual tokens, TensorRT-LLM's
         # convention): an in-range embedding stands in until zoo_embed_modify writes the row.
-        return self.model.embed_tokens(input_ids.clamp(max=self.model.embed_tokens.num_embeddings - 1))
+        rows = self.model.embed_tokens.num_embeddings
+        if self.parallel is None:
+            return self.model.embed_tokens(input_ids.clamp(max=rows - 1))
+        # This rank holds vocabulary rows [start, start + rows): the others' ids embed to zero, and the
+        # all-reduce puts every row together.
+        local = input_ids - self.parallel.vocab_start(rows)
+        mine = (local >= 0) & (local < rows)
+        hidden = self.model.embed_tokens(local.clamp(0, rows - 1)) * mine[:, None].to(self.model.embed_tokens.weight.dtype)
+        return self.parallel.all_reduce(hidden)
+
+    def use_tensor_parallel(self, parallel) -> None:
+        """Run as one rank of a tensor-parallel split (``zoo.parallel``): the weights are this rank's slices."""
+        self.parallel = parallel
+        for layer in self.model.layers:
+            layer.parallel = parallel
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single matrix products where the layers are still plain."""
@@ -450,6 +472,8 @@ class DecoderModel(nn.Module):
                 module.fused = on and head_ok
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:  # this rank's vocabulary columns, then all of them on every rank
+            return self.parallel.gather_vocab(self.lm_head(hidden).float())
         # With fused ops, the weight-streaming kernel: 5% faster than cuBLAS on a 128k vocabulary at decode batch
         # sizes (bench/results/gpu/round2/gemv.txt), and the logits come out as float32 without another launch.
         if self.fused and type(self.lm_head) is nn.Linear:  # rounded to the model dtype, stored as float32

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import unicodedata
@@ -157,7 +158,25 @@ def _on_sigterm(signum, frame):
     raise Stopped(EXIT_SIGTERM)
 
 
+def launch_ranks(size: int) -> int:
+    """``runtime.tensor_parallel_size`` > 1 without a launcher: this same command under torchrun, one process per
+    rank on this machine; torchrun's exit status (non-zero when any rank failed: it stops the others)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               f"--nproc-per-node={size}", "-m", "zoo.run", *sys.argv[1:]]
+    print(f"starting {size} tensor-parallel ranks: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+    return subprocess.run(command).returncode
+
+
 def run(cfg: DictConfig) -> int:
+    if int(cfg.runtime.tensor_parallel_size) > 1 and "WORLD_SIZE" not in os.environ:
+        try:
+            check_settings(cfg, run=True)
+        except ZooError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return launch_ranks(int(cfg.runtime.tensor_parallel_size))
+    # Under tensor parallelism every rank runs the same requests; rank 0 alone writes records and reports.
+    main_rank = int(os.environ.get("RANK", 0)) == 0
     try:
         check_settings(cfg, run=True)
         if cfg.input.resume and not cfg.output.file:
@@ -174,6 +193,9 @@ def run(cfg: DictConfig) -> int:
         print("stopped before any request ran", file=sys.stderr)
         return EXIT_SIGINT
     engine = llm.engine
+    if not main_rank:
+        cfg = OmegaConf.merge(cfg, {"output": {"file": None, "progress": "off"}})
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of this rank's process
     print(f"model: {engine.checkpoint.source}", file=sys.stderr)
     todo = [r for r in records if json.dumps(r["id"]) not in skip]
     if skip:
@@ -209,6 +231,9 @@ def run(cfg: DictConfig) -> int:
         status = EXIT_SIGINT
     except Stopped as stop:
         status = stop.status
+    except ZooError as exc:  # another tensor-parallel rank stopped: its collective failed here
+        print(f"error: {exc}", file=sys.stderr)
+        status = 2
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])

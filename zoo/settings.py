@@ -76,6 +76,7 @@ RUNTIME = {
     "fused_ops": Setting(bool),
     "enforce_eager": Setting(bool),
     "overlap_steps": Setting(bool),
+    "tensor_parallel_size": Setting(int, 1),
     "seed": Setting(int, 0),
     "max_loras": Setting(int, 1),
     "max_lora_rank": Setting(int, 1),

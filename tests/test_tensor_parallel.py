@@ -1,0 +1,145 @@
+"""Tensor parallelism (runtime.tensor_parallel_size) on CPU: two processes over gloo, as torchrun starts them.
+
+Each rank reads only its slices of the checkpoint; the greedy tokens and log-probs at two ranks equal those of
+one process and of transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import ZOO_MODEL_OPTION, hf_greedy, prompt_set
+from zoo import LLM, SamplingParams
+from zoo.errors import ZooError
+
+MAX_NEW = 8
+LOGPROB_ATOL = 1e-4  # float32: the all-reduce adds the ranks' partial sums in another order than one product
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank, world, port, folder, option, prompts, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    result = {}
+    try:
+        llm = LLM(folder, model=option, tensor_parallel_size=world)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
+        result = {"tokens": [o.token_ids for o in outs], "logprobs": [[e["logprob"] for e in o.logprobs] for o in outs],
+                  "bytes": llm.engine.model.loaded_bytes, "kv_heads": llm.engine.runner.kv.description.num_kv_heads}
+    except ZooError as exc:
+        result = {"error": str(exc)}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_ranks(folder, option, prompts, tmp_path, world=2):
+    mp.spawn(_rank, args=(world, free_port(), str(folder), option, prompts, str(tmp_path)), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def checkpoint_bytes(folder) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():
+                t = reader.get_tensor(name)
+                total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_two_ranks_give_the_tokens_of_one_process(checkpoints, name, tmp_path):
+    """llama: GQA; qwen2: q/k/v biases and tied embeddings; mistral: one KV head, kept whole on both ranks."""
+    folder, model = checkpoints[name]
+    prompts = prompt_set()[:4]
+    ranks = run_ranks(folder, ZOO_MODEL_OPTION[name], prompts, tmp_path)
+    single = LLM(str(folder), model=ZOO_MODEL_OPTION[name]).generate(
+        prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        assert rank["tokens"] == [o.token_ids for o in single]
+        assert rank["tokens"] == [hf_greedy(model, p, MAX_NEW)[0] for p in prompts]
+        for got, expected in zip(rank["logprobs"], single):
+            assert torch.allclose(torch.tensor(got), torch.tensor([e["logprob"] for e in expected.logprobs]),
+                                  atol=LOGPROB_ATOL, rtol=0)
+        # each rank read its slices: about half of the checkpoint (norms are read whole)
+        assert rank["bytes"] < 0.6 * checkpoint_bytes(folder)
+    assert ranks[0]["kv_heads"] == max(1, model.config.num_key_value_heads // 2)
+
+
+def test_an_architecture_converted_on_load_is_refused_on_every_rank(checkpoints, tmp_path):
+    folder, _ = checkpoints["gpt2"]
+    ranks = run_ranks(folder, "gpt2", prompt_set()[:1], tmp_path)
+    for rank in ranks:
+        assert "tensor_parallel_size" in rank["error"] and "Llama layout" in rank["error"]
+
+
+def test_tensor_parallel_without_a_launcher_says_how_to_launch(checkpoints, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ZooError, match="torchrun --nproc-per-node 2"):
+        LLM(str(checkpoints["llama"][0]), tensor_parallel_size=2)
+
+
+def _rank_that_dies(rank, world, port, folder, option, prompts, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    llm = LLM(folder, model=option, tensor_parallel_size=world)
+    if rank == 1:
+        os._exit(9)  # a worker killed mid-run
+    import time
+
+    start = time.perf_counter()
+    try:
+        llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        result = {"error": None}
+    except ZooError as exc:
+        result = {"error": str(exc)}
+    result["seconds"] = time.perf_counter() - start
+    torch.save(result, os.path.join(out_dir, "rank0.pt"))
+
+
+def test_a_killed_rank_ends_the_others_with_one_clear_error(checkpoints, tmp_path):
+    folder, _ = checkpoints["llama"]
+    context = mp.start_processes(_rank_that_dies, args=(2, free_port(), str(folder), "llama", prompt_set()[:2],
+                                                        str(tmp_path)), nprocs=2, join=False)
+    for process in context.processes:
+        process.join(120)
+    result = torch.load(tmp_path / "rank0.pt")
+    assert result["error"] and "another rank has stopped or failed" in result["error"], result
+    assert result["seconds"] < 60
+
+
+def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
+    """``python -m zoo.run runtime.tensor_parallel_size=2`` runs itself under torchrun; rank 0 writes the records."""
+    import json
+    import subprocess
+    import sys
+
+    folder, _ = checkpoints["llama"]
+    prompts = prompt_set()[:3]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    outputs = {}
+    for size in (1, 2):
+        out = tmp_path / f"out{size}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", f"input.file={tmp_path / 'in.jsonl'}",
+                               f"output.file={out}", "output.format=jsonl", "sampling.max_new_tokens=6",
+                               "sampling.ignore_eos=true", f"runtime.tensor_parallel_size={size}"],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[size] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+        if size == 2:
+            assert "starting 2 tensor-parallel ranks" in done.stderr
+    assert outputs[2] == outputs[1] and len(outputs[1]) == 3

@@ -1,0 +1,148 @@
+"""Tensor parallelism over torch.distributed (Megatron-style): one model split across processes.
+
+Every rank holds a slice of each layer: q/k/v and gate/up by output rows (heads, intermediate columns), o and
+down by input columns, the embedding and LM head by vocabulary rows, so each layer's two products end in one
+all-reduce and the logits in one all-gather. A rank's KV cache holds only its KV heads (all of them are kept
+when there are fewer KV heads than ranks: each rank then holds the one its query heads read).
+
+The processes come from ``torchrun`` (or any launcher that sets the usual RANK / WORLD_SIZE / MASTER_ADDR
+environment); gloo on CPU, NCCL on GPUs. Every rank runs the same engine on the same requests, so their
+schedules agree step by step without any message but the model's own collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zoo.description import ModelDescription
+from zoo.errors import ZooError
+
+COLLECTIVE_TIMEOUT_S = 300  # a rank that dies or hangs ends the others' collectives with an error, not a hang
+
+
+@dataclasses.dataclass
+class TensorParallel:
+    rank: int
+    world: int
+    vocab_size: int  # the whole vocabulary, before padding to a multiple of the ranks
+
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        with self._collective("all-reduce"):
+            dist.all_reduce(x, op=op)
+        return x
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab / ranks]`` on each rank -> ``[rows, vocab]`` on every rank."""
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        with self._collective("all-gather"):
+            dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+    def agree_on_min(self, value: int) -> int:
+        """The smallest of the ranks' values (KV blocks: every rank must schedule the same cache)."""
+        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MIN)[0])
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as exc:  # a rank died, hung past the timeout, or failed
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ZooError(f"tensor-parallel rank {self.rank} of {self.world}: the {what} failed, so another "
+                           f"rank has stopped or failed ({first[:200]})") from None
+
+    def vocab_start(self, local_vocab: int) -> int:
+        return self.rank * local_vocab
+
+
+def start(size: int, device: torch.device) -> TensorParallel | None:
+    """The rank's place in a ``size``-way split, joining the launcher's process group; None for size 1."""
+    if size == 1:
+        return None
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise ZooError(f"runtime.tensor_parallel_size={size} runs one process per rank: launch with "
+                           f"torchrun --nproc-per-node {size} -m zoo.run ... (or -m your script)")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if dist.get_world_size() != size:
+        raise ZooError(f"runtime.tensor_parallel_size={size}, but the launcher started {dist.get_world_size()} "
+                       f"processes")
+    return TensorParallel(dist.get_rank(), size, 0)
+
+
+def split_description(desc: ModelDescription, world: int) -> ModelDescription:
+    """The shapes one rank holds: its heads, KV heads, intermediate columns and vocabulary rows."""
+    problems = []
+    if desc.num_heads % world:
+        problems.append(f"{desc.num_heads} attention heads")
+    if desc.num_kv_heads % world and world % desc.num_kv_heads:
+        problems.append(f"{desc.num_kv_heads} KV heads")
+    if desc.intermediate_size % world:
+        problems.append(f"intermediate size {desc.intermediate_size}")
+    if problems:
+        raise ZooError(f"runtime.tensor_parallel_size={world} does not divide this model's "
+                       + " or ".join(problems))
+    return dataclasses.replace(desc, num_heads=desc.num_heads // world,
+                               num_kv_heads=max(1, desc.num_kv_heads // world),
+                               intermediate_size=desc.intermediate_size // world,
+                               vocab_size=-(-desc.vocab_size // world), head_dim=desc.head_dim)
+
+
+def shard_of(name: str, shape: tuple, full: ModelDescription, parallel: TensorParallel):
+    """How a rank reads checkpoint tensor ``name`` (a zoo parameter name) of full ``shape``:
+    ``(dim, start, length)`` for a slice, "zeros" for a row-parallel bias on ranks past 0 (the all-reduce adds
+    rank 0's), or None for a replicated tensor."""
+    r, w, d = parallel.rank, parallel.world, full.head_dim
+    if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+        heads = full.num_heads // w
+        return 0, r * heads * d, heads * d
+    if any(name.endswith(f"self_attn.{p}.{kind}") for p in ("k_proj", "v_proj") for kind in ("weight", "bias")):
+        if full.num_kv_heads >= w:
+            heads = full.num_kv_heads // w
+            return 0, r * heads * d, heads * d
+        return 0, (r * full.num_kv_heads // w) * d, d  # fewer KV heads than ranks: the one this rank's queries read
+    if any(name.endswith(f"mlp.{p}.{kind}") for p in ("gate_proj", "up_proj") for kind in ("weight", "bias")):
+        cols = full.intermediate_size // w
+        return 0, r * cols, cols
+    if name.endswith("self_attn.o_proj.weight"):
+        heads = full.num_heads // w
+        return 1, r * heads * d, heads * d
+    if name.endswith("mlp.down_proj.weight"):
+        cols = full.intermediate_size // w
+        return 1, r * cols, cols
+    if name.endswith("self_attn.o_proj.bias") or name.endswith("mlp.down_proj.bias"):
+        return None if r == 0 else "zeros"
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = -(-full.vocab_size // w)
+        return 0, r * rows, rows
+    return None
+
+
+def read_shard(reader, name: str, zoo_name: str, full: ModelDescription, parallel: TensorParallel,
+               target_shape: tuple) -> tuple[torch.Tensor, int]:
+    """This rank's part of checkpoint tensor ``name``, read without the rest; and the bytes read."""
+    piece = reader.get_slice(name)
+    shape = tuple(piece.get_shape())
+    rule = shard_of(zoo_name, shape, full, parallel)
+    if rule is None:
+        tensor = piece[:]
+    elif rule == "zeros":
+        return torch.zeros(target_shape), 0
+    else:
+        dim, first, length = rule
+        last = min(first + length, shape[dim])
+        tensor = piece[first:last] if dim == 0 else piece[:, first:last]
+        if tensor.shape[dim] < length:  # the vocabulary's last rows: padded with zeros to the shard size
+            pad = list(tensor.shape)
+            pad[dim] = length - tensor.shape[dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+    return tensor, tensor.numel() * tensor.element_size()
