@@ -143,3 +143,19 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
         if size == 2:
             assert "starting 2 tensor-parallel ranks" in done.stderr
     assert outputs[2] == outputs[1] and len(outputs[1]) == 3
+
+
+def test_drafting_methods_and_adapters_are_refused_under_tensor_parallelism(checkpoints, monkeypatch, tmp_path):
+    folder = checkpoints["llama"][0]
+    with pytest.raises(ZooError, match="decoding=lookahead does not split over tensor-parallel ranks"):
+        LLM(str(folder), decoding="lookahead", tensor_parallel_size=2)
+    from zoo.adapters import Adapters
+    from zoo.config import compose_config
+    from zoo.plugins import load_plugins
+
+    class Engine:  # what Adapters and the adapter kinds read of an engine
+        config = compose_config(["runtime.tensor_parallel_size=2"])
+
+    adapters = Adapters(load_plugins(), Engine())
+    with pytest.raises(ZooError, match="adapters do not split over tensor-parallel ranks"):
+        adapters.add("a", tmp_path)
