@@ -129,10 +129,13 @@ def load_weights(model: DecoderModel, folder: Path, hooks, parallel=None, full=N
     unsplit description) each tensor is read as this rank's slice only; ``model.loaded_bytes`` counts them."""
     from safetensors import SafetensorError, safe_open
 
-    from zoo.parallel import read_shard
+    from zoo.parallel import read_shard, take_shard
 
     params = dict(model.named_parameters(remove_duplicate=False))
     model.loaded_bytes = 0
+    # Checkpoints an architecture plugin converts (fused q/k/v, transposed products) are read whole, converted,
+    # then cut to this rank's slices; the Llama layout is read as slices straight from the file.
+    converts = bool(hooks.zoo_weights_convert.get_hookimpls())
     loaded: set[str] = set()
     unexpected: list[str] = []
     files = _safetensors_files(folder)
@@ -141,21 +144,24 @@ def load_weights(model: DecoderModel, folder: Path, hooks, parallel=None, full=N
         try:
             with safe_open(str(file), framework="pt", device="cpu") as reader:  # memory-mapped
                 for name in reader.keys():
-                    if parallel is not None:
+                    if parallel is not None and not converts:
                         if name not in params:
                             unexpected.append(name)
                             continue
-                        tensor, read = read_shard(reader, name, name, full, parallel, tuple(params[name].shape))
+                        tensor = read_shard(reader, name, full, parallel, tuple(params[name].shape))
                     else:
                         tensor = reader.get_tensor(name)
-                        read = tensor.numel() * tensor.element_size()
-                    model.loaded_bytes += read
-                    converted = hooks.zoo_weights_convert(description=model.description, name=name, tensor=tensor)
+                    model.loaded_bytes += tensor.numel() * tensor.element_size()
+                    converted = hooks.zoo_weights_convert(description=full or model.description, name=name,
+                                                          tensor=tensor)
                     for zoo_name, value in converted if converted is not None else [(name, tensor)]:
                         param = params.get(zoo_name)
                         if param is None:
                             unexpected.append(name)
                             continue
+                        if parallel is not None and converts:
+                            value = take_shard(value, tuple(value.shape), zoo_name, full, parallel,
+                                               tuple(param.shape))
                         if tuple(param.shape) != tuple(value.shape):
                             raise ZooError(f"{file.name}: tensor {name} has shape {tuple(value.shape)}, "
                                            f"the model expects {tuple(param.shape)} for {zoo_name}")
@@ -233,10 +239,6 @@ def load_model(checkpoint: Checkpoint, hooks, dtype: torch.dtype, device: torch.
 
         if checkpoint.folder is None:
             raise ZooError("runtime.tensor_parallel_size > 1 needs a checkpoint folder (model.path=...)")
-        if hooks.zoo_weights_convert.get_hookimpls():
-            raise ZooError(f"runtime.tensor_parallel_size > 1: {checkpoint.description.architecture} checkpoints "
-                           f"are converted while they load, which the tensor-parallel loader does not do yet; "
-                           f"it reads the Llama layout (Llama, Qwen2, Mistral)")
         parallel.vocab_size = checkpoint.description.vocab_size
         model = build_empty_model(split_description(checkpoint.description, parallel.world), hooks, dtype, device)
         load_weights(model, checkpoint.folder, hooks, parallel, checkpoint.description)

@@ -127,22 +127,26 @@ def shard_of(name: str, shape: tuple, full: ModelDescription, parallel: TensorPa
     return None
 
 
-def read_shard(reader, name: str, zoo_name: str, full: ModelDescription, parallel: TensorParallel,
-               target_shape: tuple) -> tuple[torch.Tensor, int]:
-    """This rank's part of checkpoint tensor ``name``, read without the rest; and the bytes read."""
-    piece = reader.get_slice(name)
-    shape = tuple(piece.get_shape())
+def take_shard(source, shape: tuple, zoo_name: str, full: ModelDescription, parallel: TensorParallel,
+               target_shape: tuple) -> torch.Tensor:
+    """This rank's part of ``source`` (a tensor, or a safetensors slice, which reads only what is indexed)."""
     rule = shard_of(zoo_name, shape, full, parallel)
     if rule is None:
-        tensor = piece[:]
-    elif rule == "zeros":
-        return torch.zeros(target_shape), 0
-    else:
-        dim, first, length = rule
-        last = min(first + length, shape[dim])
-        tensor = piece[first:last] if dim == 0 else piece[:, first:last]
-        if tensor.shape[dim] < length:  # the vocabulary's last rows: padded with zeros to the shard size
-            pad = list(tensor.shape)
-            pad[dim] = length - tensor.shape[dim]
-            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
-    return tensor, tensor.numel() * tensor.element_size()
+        return source[:]
+    if rule == "zeros":
+        return torch.zeros(target_shape)
+    dim, first, length = rule
+    last = min(first + length, shape[dim])
+    tensor = source[first:last] if dim == 0 else source[:, first:last]
+    if tensor.shape[dim] < length:  # the vocabulary's last rows: padded with zeros to the shard size
+        pad = list(tensor.shape)
+        pad[dim] = length - tensor.shape[dim]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+    return tensor
+
+
+def read_shard(reader, name: str, full: ModelDescription, parallel: TensorParallel,
+               target_shape: tuple) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``name`` (named as the model's parameter), read without the rest."""
+    piece = reader.get_slice(name)
+    return take_shard(piece, tuple(piece.get_shape()), name, full, parallel, target_shape)
