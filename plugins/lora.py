@@ -37,6 +37,7 @@ from zoo import Scope, ZooError, hookimpl
 from zoo.adapters import AdapterKind, read_peft_folder
 from zoo.forward_context import get_forward_context
 from zoo.model import LinearWrapper
+from zoo.parallel import shard_of
 from zoo.step import BufferSpec
 
 zoo_scope = Scope(config_key="adapters")
@@ -222,11 +223,23 @@ class LoRA(AdapterKind):
             wrapper.shrink[:, columns] = 0
             wrapper.expand[columns] = 0
             if path in weights:
-                a, b = weights[path]
+                a, b = self._rank_part(path, *weights[path])
                 wrapper.shrink[:, slot * r:slot * r + a.shape[0]] = a.t().to(wrapper.shrink)
                 wrapper.expand[slot * r:slot * r + a.shape[0]] = b.t().to(wrapper.expand)
         self.slots[slot] = name
         self.loads += 1
+
+
+    def _rank_part(self, path: str, a: torch.Tensor, b: torch.Tensor):
+        """Under tensor parallelism, the part of A [r, in] and B [out, r] this rank's slice of the projection
+        needs: B's rows of a layer split by outputs, A's columns of one split by inputs (whose partial product
+        the layer's all-reduce sums with the base layer's)."""
+        parallel = self.engine.parallel
+        rule = shard_of(f"{path}.weight", (), self.engine.description, parallel) if parallel else None
+        if rule is None or rule == "zeros":
+            return a, b
+        dim, first, length = rule
+        return (a, b[first:first + length]) if dim == 0 else (a[:, first:first + length], b)
 
 
 def _projection_shape(desc, path: str) -> tuple[int, int]:

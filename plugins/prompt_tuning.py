@@ -111,8 +111,8 @@ class PromptTuning(AdapterKind):
         virtual = rows >= 0
         # The row replaces the token embedding that stood in for it; whatever else the embeddings hold
         # (GPT-2's learned positions) stays, as it does for peft's inputs_embeds.
-        embed = model.model.embed_tokens
-        stand_in = embed(context.buffers["input_ids"][virtual].clamp(max=embed.num_embeddings - 1))
+        # The model's own rule for it (under tensor parallelism the stand-in is zero: no rank holds the id).
+        stand_in = model.token_embeddings(context.buffers["input_ids"][virtual])
         hidden[virtual] += self.stacked[rows[virtual]].to(hidden.dtype) - stand_in
 
 

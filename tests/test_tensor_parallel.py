@@ -27,13 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, folder, option, prompts, out_dir):
+def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     result = {}
     try:
-        llm = LLM(folder, model=option, tensor_parallel_size=world)
+        llm = LLM(folder, model=option, tensor_parallel_size=world, **({"adapters": adapters} if adapters else {}))
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
         result = {"tokens": [o.token_ids for o in outs], "logprobs": [[e["logprob"] for e in o.logprobs] for o in outs],
                   "bytes": llm.engine.model.loaded_bytes, "kv_heads": llm.engine.runner.kv.description.num_kv_heads}
@@ -42,8 +42,9 @@ def _rank(rank, world, port, folder, option, prompts, out_dir):
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_ranks(folder, option, prompts, tmp_path, world=2):
-    mp.spawn(_rank, args=(world, free_port(), str(folder), option, prompts, str(tmp_path)), nprocs=world, join=True)
+def run_ranks(folder, option, prompts, tmp_path, world=2, adapters=None):
+    mp.spawn(_rank, args=(world, free_port(), str(folder), option, prompts, str(tmp_path), adapters), nprocs=world,
+             join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -141,39 +142,33 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     assert outputs[2] == outputs[1] and len(outputs[1]) == 3
 
 
-def test_drafting_methods_and_adapters_are_refused_under_tensor_parallelism(checkpoints, monkeypatch, tmp_path):
-    folder = checkpoints["llama"][0]
+def test_drafting_methods_are_refused_under_tensor_parallelism(checkpoints):
     with pytest.raises(ZooError, match="decoding=lookahead does not split over tensor-parallel ranks"):
-        LLM(str(folder), decoding="lookahead", tensor_parallel_size=2)
-    from zoo.adapters import Adapters
-    from zoo.config import compose_config
-    from zoo.plugins import load_plugins
-
-    class Engine:  # what Adapters and the adapter kinds read of an engine
-        config = compose_config(["runtime.tensor_parallel_size=2"])
-
-    adapters = Adapters(load_plugins(), Engine())
-    with pytest.raises(ZooError, match="adapters do not split over tensor-parallel ranks"):
-        adapters.add("a", tmp_path)
+        LLM(str(checkpoints["llama"][0]), decoding="lookahead", tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("kind", ["chatglm", "glm"])
-def test_two_ranks_keep_glm_positions_and_bidirectional_prefixes(kind, tmp_path):
-    """GLM's and ChatGLM's 2-D positions, bidirectional prompt prefixes and per-head interleaved q/k/v, split."""
-    from test_glm import glm_prompts, write_chatglm, write_glm
+def test_a_lora_and_a_prompt_tuning_batch_on_two_ranks(tmp_path):
+    """LoRA's A and B cut like the layer they change (B by rows for q/k/v and gate/up, A by columns for o and
+    down); prompt tuning's virtual rows written after the vocabulary-parallel embedding. Against one process,
+    whose adapters the adapter tests check against peft."""
+    from test_adapters import ALL_PROJECTIONS, make_checkpoint, save_lora, save_prompt_tuning
 
-    folder = tmp_path / kind
-    folder.mkdir()
-    (write_chatglm if kind == "chatglm" else write_glm)(folder)
-    prompts = glm_prompts()[:4]
+    base = make_checkpoint("llama", tmp_path / "llama")
+    save_lora(base, tmp_path / "lora", 8, ALL_PROJECTIONS["llama"], seed=2)
+    save_prompt_tuning(base, tmp_path / "prompt", 5, seed=3)
+    adapters = {"lora": str(tmp_path / "lora"), "prompt": str(tmp_path / "prompt")}
+    prompts = [{"prompt_ids": p, "adapter": a} for p, a in zip(prompt_set()[:4], ["lora", None, "prompt", "lora"])]
+    prompts.append({"prompt_ids": prompt_set()[0]})  # request 0 without its adapter: the LoRA must show
     out_dir = tmp_path / "ranks"
     out_dir.mkdir()
-    ranks = run_ranks(folder, kind, prompts, out_dir)
-    single = LLM(str(folder), model=kind).generate(
+    ranks = run_ranks(tmp_path / "llama", "llama", prompts, out_dir, adapters=adapters)
+    single = LLM(str(tmp_path / "llama"), adapters=adapters).generate(
         prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
+    assert single[0].logprobs != single[4].logprobs
     for rank in ranks:
         assert "error" not in rank, rank.get("error")
         assert rank["tokens"] == [o.token_ids for o in single]
-        for got, expected in zip(rank["logprobs"], single):
+        assert rank["logprobs"][0] != rank["logprobs"][4]
+        for i, (got, expected) in enumerate(zip(rank["logprobs"], single)):
             assert torch.allclose(torch.tensor(got), torch.tensor([e["logprob"] for e in expected.logprobs]),
-                                  atol=LOGPROB_ATOL, rtol=0)
+                                  atol=LOGPROB_ATOL, rtol=0), f"request {i}"

@@ -127,8 +127,6 @@ class Adapters:
             raise ZooError(f"an adapter name must be a non-empty string, not {name!r}")
         if name in self.entries:
             raise ZooError(f"adapter {name!r} is loaded already; remove it first")
-        if int(self.engine.config["runtime"]["tensor_parallel_size"]) > 1:
-            raise ZooError("adapters do not split over tensor-parallel ranks yet (runtime.tensor_parallel_size > 1)")
         folder, config, tensors = read_peft_folder(path)
         peft_type = config["peft_type"]
         kind = self.kinds.get(peft_type)
