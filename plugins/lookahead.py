@@ -61,6 +61,7 @@ def candidate_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[i
 
 class Lookahead(DecodingMethod):
     name = "lookahead"
+    splits_over_ranks = True  # no weights: its drafts come from tokens, the same on every rank
 
     def __init__(self, engine):
         settings = engine.config["decoding"]

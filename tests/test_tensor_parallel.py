@@ -27,13 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None):
+def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, decoding=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     result = {}
     try:
-        llm = LLM(folder, model=option, tensor_parallel_size=world, **({"adapters": adapters} if adapters else {}))
+        llm = LLM(folder, model=option, tensor_parallel_size=world, **({"adapters": adapters} if adapters else {}),
+                  **({"decoding": decoding} if decoding else {}))
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
         result = {"tokens": [o.token_ids for o in outs], "logprobs": [[e["logprob"] for e in o.logprobs] for o in outs],
                   "bytes": llm.engine.model.loaded_bytes, "kv_heads": llm.engine.runner.kv.description.num_kv_heads}
@@ -42,9 +43,9 @@ def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None):
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_ranks(folder, option, prompts, tmp_path, world=2, adapters=None):
-    mp.spawn(_rank, args=(world, free_port(), str(folder), option, prompts, str(tmp_path), adapters), nprocs=world,
-             join=True)
+def run_ranks(folder, option, prompts, tmp_path, world=2, adapters=None, decoding=None):
+    mp.spawn(_rank, args=(world, free_port(), str(folder), option, prompts, str(tmp_path), adapters, decoding),
+             nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -142,9 +143,19 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     assert outputs[2] == outputs[1] and len(outputs[1]) == 3
 
 
-def test_drafting_methods_are_refused_under_tensor_parallelism(checkpoints):
-    with pytest.raises(ZooError, match="decoding=lookahead does not split over tensor-parallel ranks"):
-        LLM(str(checkpoints["llama"][0]), decoding="lookahead", tensor_parallel_size=2)
+def test_methods_with_draft_weights_are_refused_under_tensor_parallelism(checkpoints):
+    with pytest.raises(ZooError, match="decoding=medusa does not split over tensor-parallel ranks"):
+        LLM(str(checkpoints["llama"][0]), decoding="medusa", tensor_parallel_size=2)
+
+
+def test_lookahead_on_two_ranks_gives_the_tokens_of_plain_decoding(checkpoints, tmp_path):
+    """Verify steps with draft trees under the split: every rank proposes the same n-gram drafts."""
+    folder, model = checkpoints["llama"]
+    prompts = [p * 3 for p in prompt_set()[:3]]  # repetitive: lookahead finds n-grams to propose
+    ranks = run_ranks(folder, "llama", prompts, tmp_path, decoding="lookahead")
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        assert rank["tokens"] == [hf_greedy(model, p, MAX_NEW)[0] for p in prompts]
 
 
 def test_a_lora_and_a_prompt_tuning_batch_on_two_ranks(tmp_path):

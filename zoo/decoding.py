@@ -151,6 +151,9 @@ class DecodingMethod:
 
     name = "method"
     max_draft_tokens = 0
+    # Whether the method runs under tensor parallelism (runtime.tensor_parallel_size > 1): every rank proposes
+    # the same drafts, so a method that reads only tokens can; one with draft weights of its own must split them.
+    splits_over_ranks = False
 
     def propose(self, requests: list["Request"]) -> dict[int, DraftBlock]:
         """Draft blocks by request id for some of ``requests`` (each about to decode one token)."""

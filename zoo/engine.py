@@ -70,7 +70,8 @@ class Engine:
         self.draft_batch_limit = draft_limit(config["decoding"], "disable_by_batch_size")
         self.draft_step_tokens = draft_limit(config["decoding"], "draft_tokens_per_step")
         self.decoding = choose_method(self.plugin_manager, config["decoding"]["name"], self)
-        if self.decoding is not None and int(runtime["tensor_parallel_size"]) > 1:
+        if (self.decoding is not None and int(runtime["tensor_parallel_size"]) > 1
+                and not getattr(self.decoding, "splits_over_ranks", False)):
             raise ZooError(f"decoding={self.decoding.name} does not split over tensor-parallel ranks yet "
                            f"(runtime.tensor_parallel_size > 1)")
         self.adapters = Adapters(self.plugin_manager, self)
