@@ -1,4 +1,5 @@
-"""Per-step CPU overhead of the engine: the embedded 1.3M-parameter model, so much of the time is scheduling, buffers and bookkeeping.
+"""Per-step CPU overhead of the engine: the embedded 1.3M-parameter model, so much of the time is scheduling,
+buffers and bookkeeping.
 
     python bench/overhead.py --batch 64 --steps 64 [--profile]
 """
@@ -37,7 +38,8 @@ def main() -> None:
     if profiler:
         profiler.disable()
     seconds = time.perf_counter() - start
-    print(f"batch {args.batch}: {1000 * seconds / args.steps:.3f} ms per step (the embedded 1.3M-parameter model: engine overhead and a small forward pass)")
+    print(f"batch {args.batch}: {1000 * seconds / args.steps:.3f} ms per step "
+          "(the embedded 1.3M-parameter model: engine overhead and a small forward pass)")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 

@@ -235,7 +235,7 @@ class LoRA(AdapterKind):
         needs: B's rows of a layer split by outputs, A's columns of one split by inputs (whose partial product
         the layer's all-reduce sums with the base layer's)."""
         parallel = self.engine.parallel
-        rule = shard_of(f"{path}.weight", (), self.engine.description, parallel) if parallel else None
+        rule = shard_of(f"{path}.weight", self.engine.description, parallel) if parallel else None
         if rule is None or rule == "zeros":
             return a, b
         dim, first, length = rule

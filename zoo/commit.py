@@ -20,7 +20,8 @@ class Committer:
         self.sampler: Sampler = engine.sampler
         self.token_hooks = bool(self.hooks.zoo_token_generated.get_hookimpls())  # skip a per-token no-op call
 
-    def commit_step(self, batch: StepBatch, output: StepOutput, tokens: list[int] | None = None) -> list[SequenceResult]:
+    def commit_step(self, batch: StepBatch, output: StepOutput,
+                    tokens: list[int] | None = None) -> list[SequenceResult]:
         """Sample the plain rows together, verify the drafted ones, and commit every request's tokens.
 
         ``tokens``: the plain rows' tokens, already chosen (an overlapped step's argmax, copied to the host), for

@@ -239,7 +239,6 @@ def load_model(checkpoint: Checkpoint, hooks, dtype: torch.dtype, device: torch.
 
         if checkpoint.folder is None:
             raise ZooError("runtime.tensor_parallel_size > 1 needs a checkpoint folder (model.path=...)")
-        parallel.vocab_size = checkpoint.description.vocab_size
         model = build_empty_model(split_description(checkpoint.description, parallel.world), hooks, dtype, device)
         load_weights(model, checkpoint.folder, hooks, parallel, checkpoint.description)
         model.use_tensor_parallel(parallel)

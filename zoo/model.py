@@ -445,7 +445,8 @@ class DecoderModel(nn.Module):
         # all-reduce puts every row together.
         local = input_ids - self.parallel.vocab_start(rows)
         mine = (local >= 0) & (local < rows)
-        hidden = self.model.embed_tokens(local.clamp(0, rows - 1)) * mine[:, None].to(self.model.embed_tokens.weight.dtype)
+        embed = self.model.embed_tokens
+        hidden = embed(local.clamp(0, rows - 1)) * mine[:, None].to(embed.weight.dtype)
         return self.parallel.all_reduce(hidden)
 
     def use_tensor_parallel(self, parallel) -> None:

@@ -61,7 +61,7 @@ class TensorParallel:
         return self.rank * local_vocab
 
 
-def start(size: int, device: torch.device) -> TensorParallel | None:
+def start(size: int, device: torch.device, vocab_size: int) -> TensorParallel | None:
     """The rank's place in a ``size``-way split, joining the launcher's process group; None for size 1."""
     if size == 1:
         return None
@@ -76,7 +76,7 @@ def start(size: int, device: torch.device) -> TensorParallel | None:
     if dist.get_world_size() != size:
         raise ZooError(f"runtime.tensor_parallel_size={size}, but the launcher started {dist.get_world_size()} "
                        f"processes")
-    return TensorParallel(dist.get_rank(), size, 0)
+    return TensorParallel(dist.get_rank(), size, vocab_size)
 
 
 def split_description(desc: ModelDescription, world: int) -> ModelDescription:
@@ -97,8 +97,8 @@ def split_description(desc: ModelDescription, world: int) -> ModelDescription:
                                vocab_size=-(-desc.vocab_size // world), head_dim=desc.head_dim)
 
 
-def shard_of(name: str, shape: tuple, full: ModelDescription, parallel: TensorParallel):
-    """How a rank reads checkpoint tensor ``name`` (a zoo parameter name) of full ``shape``:
+def shard_of(name: str, full: ModelDescription, parallel: TensorParallel):
+    """How a rank reads the tensor of zoo parameter ``name``:
     ``(dim, start, length)`` for a slice, "zeros" for a row-parallel bias on ranks past 0 (the all-reduce adds
     rank 0's), or None for a replicated tensor."""
     r, w, d = parallel.rank, parallel.world, full.head_dim
@@ -130,7 +130,7 @@ def shard_of(name: str, shape: tuple, full: ModelDescription, parallel: TensorPa
 def take_shard(source, shape: tuple, zoo_name: str, full: ModelDescription, parallel: TensorParallel,
                target_shape: tuple) -> torch.Tensor:
     """This rank's part of ``source`` (a tensor, or a safetensors slice, which reads only what is indexed)."""
-    rule = shard_of(zoo_name, shape, full, parallel)
+    rule = shard_of(zoo_name, full, parallel)
     if rule is None:
         return source[:]
     if rule == "zeros":
