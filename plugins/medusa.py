@@ -60,14 +60,14 @@ class MedusaHeads(nn.ModuleList):
         super().__init__(nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
                                        nn.Linear(hidden_size, vocab_size, bias=False)) for _ in range(num_heads))
 
-    def fresh(self, lm_head: nn.Linear) -> None:
+    def fresh(self, lm_head_weight: torch.Tensor) -> None:
         """Medusa's initialisation: blocks that pass their input through, the model's LM head."""
         with torch.no_grad():
             for head in self:
                 for block in head[:-1]:
                     block.linear.weight.zero_()
                     block.linear.bias.zero_()
-                head[-1].weight.copy_(lm_head.weight)
+                head[-1].weight.copy_(lm_head_weight)
 
 
 def parse_tree(choices, num_heads: int) -> tuple[list[list[int]], list[int]]:
@@ -110,6 +110,7 @@ def load_heads(folder: str, hidden_size: int, vocab_size: int) -> MedusaHeads:
 
 class Medusa(DecodingMethod):
     name = "medusa"
+    splits_over_ranks = True  # its heads read the final hidden states, whole on every rank: each rank runs them all
 
     def __init__(self, engine):
         """Settings and heads files are checked here, before the model's weights load."""
@@ -145,7 +146,7 @@ class Medusa(DecodingMethod):
     @hookimpl
     def zoo_engine_start(self, engine, setup):
         if self.fresh:
-            self.heads.fresh(engine.model.lm_head)
+            self.heads.fresh(engine.model.lm_head_weight())
             print(f"note: decoding=medusa starts from fresh heads ({len(self.heads)} heads, no decoding.heads): "
                   "tokens are exact, the speedup needs trained heads", file=sys.stderr)
         self.heads = self.heads.to(engine.device, engine.dtype).eval()
@@ -195,7 +196,7 @@ class MedusaTrainer(HeadsTrainer):
 
     def __init__(self, heads: MedusaHeads, model, fresh: bool):
         if fresh:
-            heads.fresh(model.lm_head)
+            heads.fresh(model.lm_head_weight())
         self.module = heads.to(model.lm_head.weight.device, torch.float32).train()
 
     def loss(self, tokens, features):

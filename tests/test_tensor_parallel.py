@@ -143,16 +143,18 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     assert outputs[2] == outputs[1] and len(outputs[1]) == 3
 
 
-def test_methods_with_draft_weights_are_refused_under_tensor_parallelism(checkpoints):
-    with pytest.raises(ZooError, match="decoding=medusa does not split over tensor-parallel ranks"):
-        LLM(str(checkpoints["llama"][0]), decoding="medusa", tensor_parallel_size=2)
+def test_eagle_is_refused_under_tensor_parallelism(checkpoints):
+    with pytest.raises(ZooError, match="decoding=eagle does not split over tensor-parallel ranks"):
+        LLM(str(checkpoints["llama"][0]), decoding="eagle", tensor_parallel_size=2)
 
 
-def test_lookahead_on_two_ranks_gives_the_tokens_of_plain_decoding(checkpoints, tmp_path):
-    """Verify steps with draft trees under the split: every rank proposes the same n-gram drafts."""
+@pytest.mark.parametrize("method", ["lookahead", "medusa"])
+def test_drafting_on_two_ranks_gives_the_tokens_of_plain_decoding(checkpoints, tmp_path, method):
+    """Verify steps with draft trees under the split: every rank proposes the same drafts (lookahead's n-grams;
+    Medusa's fresh heads, started from the LM head gathered from both ranks, run whole on each)."""
     folder, model = checkpoints["llama"]
     prompts = [p * 3 for p in prompt_set()[:3]]  # repetitive: lookahead finds n-grams to propose
-    ranks = run_ranks(folder, "llama", prompts, tmp_path, decoding="lookahead")
+    ranks = run_ranks(folder, "llama", prompts, tmp_path, decoding=method)
     for rank in ranks:
         assert "error" not in rank, rank.get("error")
         assert rank["tokens"] == [hf_greedy(model, p, MAX_NEW)[0] for p in prompts]

@@ -449,6 +449,12 @@ class DecoderModel(nn.Module):
         hidden = embed(local.clamp(0, rows - 1)) * mine[:, None].to(embed.weight.dtype)
         return self.parallel.all_reduce(hidden)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """The whole LM head ``[vocab, hidden]``, gathered from the ranks under tensor parallelism (for plugins
+        that start their own heads from it)."""
+        weight = self.lm_head.weight
+        return weight if self.parallel is None else self.parallel.gather_vocab_rows(weight.detach())
+
     def use_tensor_parallel(self, parallel) -> None:
         """Run as one rank of a tensor-parallel split (``zoo.parallel``): the weights are this rank's slices."""
         self.parallel = parallel

@@ -44,6 +44,13 @@ class TensorParallel:
             dist.all_gather(parts, local.contiguous())
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
 
+    def gather_vocab_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """``[vocab / ranks, hidden]`` rows on each rank -> the whole ``[vocab, hidden]`` on every rank."""
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        with self._collective("all-gather"):
+            dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts)[:self.vocab_size]
+
     def agree_on_min(self, value: int) -> int:
         """The smallest of the ranks' values (KV blocks: every rank must schedule the same cache)."""
         return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MIN)[0])
