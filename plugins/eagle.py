@@ -35,6 +35,7 @@ from zoo.forward_context import ForwardContext, forward_context
 from zoo.decoding import heads_folder
 from zoo.loader import load_module_weights
 from zoo.model import MLP, Attention, DecoderLayer, DenseCausal, RMSNorm
+from zoo.parallel import split_module
 from zoo.step import BufferSpec
 from zoo.step_inputs import StepLayout, padded_rows
 
@@ -62,9 +63,10 @@ class EagleDraft(nn.Module):
         mlp_out, residual = self.layer(self.fc(torch.cat([embeds, features], dim=-1)), None, rope)
         return mlp_out + residual
 
-    def top_k(self, outputs, k: int, target_lm_head):
-        """(target token ids, log-probabilities) of the ``k`` likeliest next tokens after each output."""
-        return torch.log_softmax(target_lm_head(outputs).float(), dim=-1).topk(k, dim=-1)
+    def top_k(self, outputs, k: int, target_logits):
+        """(target token ids, log-probabilities) of the ``k`` likeliest next tokens after each output;
+        ``target_logits``: the target's LM head (``DecoderModel.compute_logits``, whole under tensor parallelism)."""
+        return torch.log_softmax(target_logits(outputs), dim=-1).topk(k, dim=-1)
 
 
 class Eagle3Draft(nn.Module):
@@ -99,7 +101,7 @@ class Eagle3Draft(nn.Module):
         hidden = features + layer.self_attn(mixed, rope)
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def top_k(self, outputs, k: int, target_lm_head):
+    def top_k(self, outputs, k: int, target_logits):
         best = torch.log_softmax(self.lm_head(self.norm(outputs)).float(), dim=-1).topk(k, dim=-1)
         return torch.return_types.topk((best.values, best.indices + self.d2t[best.indices]))
 
@@ -179,6 +181,9 @@ class Eagle(DecodingMethod):
         else:
             self.draft = load_draft(folder, draft_desc, bool(config.get("bias", True)), config)
         self.layers = feature_layers(desc.num_layers) if isinstance(self.draft, Eagle3Draft) else []
+        # EAGLE-1/2's layer splits like the target's (zoo_engine_start); EAGLE-3's own reduced-vocabulary head
+        # and its doubled q/k/v inputs do not yet.
+        self.splits_over_ranks = not self.layers
         self.engine = engine
         self.roots: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (num_tokens, draft feature at n-1)
 
@@ -192,6 +197,11 @@ class Eagle(DecodingMethod):
         if self.folder is None:
             print("note: decoding=eagle starts from a random draft layer (no decoding.heads): tokens are exact, "
                   "nothing is accepted until it is trained", file=sys.stderr)
+        if engine.parallel is not None:  # this rank's heads and columns of the draft layer, as of the target's
+            bias = self.draft.fc.bias is not None
+            self.draft = split_module(self.draft, lambda desc: EagleDraft(desc, bias), self.draft_desc,
+                                      engine.parallel)
+            self.draft.layer.parallel = engine.parallel
         self.draft = self.draft.to(engine.device, engine.dtype).eval()  # d2t, an integer buffer, stays long
         self.runner = setup.runner  # the engine holds it only once the graphs are captured
         setup.add_kv_layers([self.draft.attention])
@@ -222,7 +232,7 @@ class Eagle(DecodingMethod):
 
     def _tree_pass(self, context: ForwardContext):
         outputs = self._forward(context, DRAFT_FEATURES)
-        best = self.draft.top_k(outputs, self.top_k, self.engine.model.lm_head)
+        best = self.draft.top_k(outputs, self.top_k, self.engine.model.compute_logits)
         return outputs, best.values, best.indices
 
     def _run(self, family: str, groups, features: torch.Tensor) -> list[torch.Tensor]:
@@ -341,7 +351,7 @@ class Eagle(DecodingMethod):
         runner, k, meta = self.runner, self.top_k, context.attention
         n, roots = context.buffers[NUM_TOKENS], context.buffers[ROOT_FEATURES]
         size_r, device, num_blocks = n.shape[0], n.device, meta.block_tables.shape[1]
-        best = self.draft.top_k(roots, k, self.engine.model.lm_head)
+        best = self.draft.top_k(roots, k, self.engine.model.compute_logits)
         scores, tokens, parent_features = best.values, best.indices, roots[:, None].expand(-1, k, -1)
         frontier = torch.arange(k, device=device).expand(size_r, k)
         all_tokens, all_parents, all_scores = [tokens], [torch.full_like(tokens, -1)], [scores]

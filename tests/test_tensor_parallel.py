@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import ZOO_MODEL_OPTION, hf_greedy, prompt_set
+from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
 from zoo.errors import ZooError
 
@@ -143,15 +144,17 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     assert outputs[2] == outputs[1] and len(outputs[1]) == 3
 
 
-def test_eagle_is_refused_under_tensor_parallelism(checkpoints):
+def test_eagle3_is_refused_under_tensor_parallelism(eight_layer_llama):
+    folder, _ = eight_layer_llama
     with pytest.raises(ZooError, match="decoding=eagle does not split over tensor-parallel ranks"):
-        LLM(str(checkpoints["llama"][0]), decoding="eagle", tensor_parallel_size=2)
+        LLM(str(folder), decoding="eagle", overrides=["decoding.version=3"], tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("method", ["lookahead", "medusa"])
+@pytest.mark.parametrize("method", ["lookahead", "medusa", "eagle"])
 def test_drafting_on_two_ranks_gives_the_tokens_of_plain_decoding(checkpoints, tmp_path, method):
     """Verify steps with draft trees under the split: every rank proposes the same drafts (lookahead's n-grams;
-    Medusa's fresh heads, started from the LM head gathered from both ranks, run whole on each)."""
+    Medusa's fresh heads, started from the LM head gathered from both ranks, run whole on each; EAGLE's draft
+    layer split as the target's layers are, its KV heads in each rank's cache)."""
     folder, model = checkpoints["llama"]
     prompts = [p * 3 for p in prompt_set()[:3]]  # repetitive: lookahead finds n-grams to propose
     ranks = run_ranks(folder, "llama", prompts, tmp_path, decoding=method)

@@ -157,3 +157,15 @@ def read_shard(reader, name: str, full: ModelDescription, parallel: TensorParall
     """This rank's part of checkpoint tensor ``name`` (named as the model's parameter), read without the rest."""
     piece = reader.get_slice(name)
     return take_shard(piece, tuple(piece.get_shape()), name, full, parallel, target_shape)
+
+
+def split_module(module: torch.nn.Module, build, full: ModelDescription, parallel: TensorParallel) -> torch.nn.Module:
+    """``build(this rank's description)`` holding this rank's slices of ``module``'s parameters (same names, the
+    target's rules: a plugin's decoder layer, such as EAGLE's draft, splits as the model's layers do)."""
+    local = build(split_description(full, parallel.world))
+    whole = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, param in local.named_parameters():
+            source = whole[name]
+            param.copy_(take_shard(source, tuple(source.shape), name, full, parallel, tuple(param.shape)))
+    return local
