@@ -88,6 +88,7 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(hidden, desc.norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.parallel = None  # set when the layer is split over tensor-parallel ranks
 
     @property
     def attention(self) -> nn.Module:
@@ -98,8 +99,12 @@ class Eagle3Draft(nn.Module):
         if features.shape[-1] != embeds.shape[-1]:  # the target's three layers, not the draft's own output
             features = self.fc(features)
         mixed = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(features)], dim=-1)
-        hidden = features + layer.self_attn(mixed, rope)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = features + self._summed(layer.self_attn(mixed, rope))
+        return hidden + self._summed(layer.mlp(layer.post_attention_layernorm(hidden)))
+
+    def _summed(self, partial):
+        # Split over tensor-parallel ranks (o and down by input columns), each rank holds a partial sum.
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
     def top_k(self, outputs, k: int, target_logits):
         best = torch.log_softmax(self.lm_head(self.norm(outputs)).float(), dim=-1).topk(k, dim=-1)
@@ -181,9 +186,7 @@ class Eagle(DecodingMethod):
         else:
             self.draft = load_draft(folder, draft_desc, bool(config.get("bias", True)), config)
         self.layers = feature_layers(desc.num_layers) if isinstance(self.draft, Eagle3Draft) else []
-        # EAGLE-1/2's layer splits like the target's (zoo_engine_start); EAGLE-3's own reduced-vocabulary head
-        # and its doubled q/k/v inputs do not yet.
-        self.splits_over_ranks = not self.layers
+        self.splits_over_ranks = True  # the draft layer splits like the target's layers (zoo_engine_start)
         self.engine = engine
         self.roots: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (num_tokens, draft feature at n-1)
 
@@ -198,10 +201,17 @@ class Eagle(DecodingMethod):
             print("note: decoding=eagle starts from a random draft layer (no decoding.heads): tokens are exact, "
                   "nothing is accepted until it is trained", file=sys.stderr)
         if engine.parallel is not None:  # this rank's heads and columns of the draft layer, as of the target's
-            bias = self.draft.fc.bias is not None
-            self.draft = split_module(self.draft, lambda desc: EagleDraft(desc, bias), self.draft_desc,
-                                      engine.parallel)
-            self.draft.layer.parallel = engine.parallel
+            draft = self.draft
+            if isinstance(draft, Eagle3Draft):  # its reduced-vocabulary head stays whole on every rank
+                self.draft = split_module(draft, lambda desc: Eagle3Draft(desc, draft.fc.in_features // 3,
+                                                                          draft.lm_head.out_features),
+                                          self.draft_desc, engine.parallel, whole=("lm_head.weight",))
+                self.draft.parallel = engine.parallel
+            else:
+                bias = draft.fc.bias is not None
+                self.draft = split_module(draft, lambda desc: EagleDraft(desc, bias), self.draft_desc,
+                                          engine.parallel)
+                self.draft.layer.parallel = engine.parallel
         self.draft = self.draft.to(engine.device, engine.dtype).eval()  # d2t, an integer buffer, stays long
         self.runner = setup.runner  # the engine holds it only once the graphs are captured
         setup.add_kv_layers([self.draft.attention])

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from conftest import ZOO_MODEL_OPTION, hf_greedy, prompt_set
 from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
+from test_qwen2_vl import qwen2_vl  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
 from zoo.errors import ZooError
 
@@ -28,14 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, decoding=None):
+def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, decoding=None, overrides=()):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     result = {}
     try:
         llm = LLM(folder, model=option, tensor_parallel_size=world, **({"adapters": adapters} if adapters else {}),
-                  **({"decoding": decoding} if decoding else {}))
+                  **({"decoding": decoding} if decoding else {}), overrides=list(overrides))
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
         result = {"tokens": [o.token_ids for o in outs], "logprobs": [[e["logprob"] for e in o.logprobs] for o in outs],
                   "bytes": llm.engine.model.loaded_bytes, "kv_heads": llm.engine.runner.kv.description.num_kv_heads}
@@ -44,9 +45,9 @@ def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, de
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_ranks(folder, option, prompts, tmp_path, world=2, adapters=None, decoding=None):
-    mp.spawn(_rank, args=(world, free_port(), str(folder), option, prompts, str(tmp_path), adapters, decoding),
-             nprocs=world, join=True)
+def run_ranks(folder, option, prompts, tmp_path, world=2, adapters=None, decoding=None, overrides=()):
+    mp.spawn(_rank, args=(world, free_port(), str(folder), option, prompts, str(tmp_path), adapters, decoding,
+                          tuple(overrides)), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -144,10 +145,14 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     assert outputs[2] == outputs[1] and len(outputs[1]) == 3
 
 
-def test_eagle3_is_refused_under_tensor_parallelism(eight_layer_llama):
-    folder, _ = eight_layer_llama
-    with pytest.raises(ZooError, match="decoding=eagle does not split over tensor-parallel ranks"):
-        LLM(str(folder), decoding="eagle", overrides=["decoding.version=3"], tensor_parallel_size=2)
+def test_eagle3_on_two_ranks_gives_the_tokens_of_plain_decoding(eight_layer_llama, tmp_path):
+    """EAGLE-3: three target layers' features, q/k/v over doubled inputs, its own head kept whole."""
+    folder, model = eight_layer_llama
+    prompts = prompt_set()[:3]
+    ranks = run_ranks(folder, "llama", prompts, tmp_path, decoding="eagle", overrides=["decoding.version=3"])
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        assert rank["tokens"] == [hf_greedy(model, p, MAX_NEW)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("method", ["lookahead", "medusa", "eagle"])
@@ -188,3 +193,18 @@ def test_a_lora_and_a_prompt_tuning_batch_on_two_ranks(tmp_path):
         for i, (got, expected) in enumerate(zip(rank["logprobs"], single)):
             assert torch.allclose(torch.tensor(got), torch.tensor([e["logprob"] for e in expected.logprobs]),
                                   atol=LOGPROB_ATOL, rtol=0), f"request {i}"
+
+
+def test_qwen2_vl_images_on_two_ranks(qwen2_vl, tmp_path):
+    """mRoPE's three position rows and image rows written into the embeddings; the vision tower runs whole on
+    every rank (no split rule names it)."""
+    from test_qwen2_vl import requests_and_references
+
+    folder, _ = qwen2_vl
+    requests, references = requests_and_references(qwen2_vl, tmp_path, n=MAX_NEW)
+    out_dir = tmp_path / "ranks"
+    out_dir.mkdir()
+    ranks = run_ranks(folder, "qwen2_vl", requests, out_dir)
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        assert rank["tokens"] == [tokens for tokens, _ in references]

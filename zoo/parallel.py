@@ -159,13 +159,20 @@ def read_shard(reader, name: str, full: ModelDescription, parallel: TensorParall
     return take_shard(piece, tuple(piece.get_shape()), name, full, parallel, target_shape)
 
 
-def split_module(module: torch.nn.Module, build, full: ModelDescription, parallel: TensorParallel) -> torch.nn.Module:
+def split_module(module: torch.nn.Module, build, full: ModelDescription, parallel: TensorParallel,
+                 whole: tuple[str, ...] = ()) -> torch.nn.Module:
     """``build(this rank's description)`` holding this rank's slices of ``module``'s parameters (same names, the
-    target's rules: a plugin's decoder layer, such as EAGLE's draft, splits as the model's layers do)."""
+    target's rules: a plugin's decoder layer, such as EAGLE's draft, splits as the model's layers do). Names in
+    ``whole`` stay whole on every rank (a draft's own head); buffers are copied as they are."""
     local = build(split_description(full, parallel.world))
-    whole = dict(module.named_parameters())
+    params = dict(module.named_parameters())
     with torch.no_grad():
         for name, param in local.named_parameters():
-            source = whole[name]
-            param.copy_(take_shard(source, tuple(source.shape), name, full, parallel, tuple(param.shape)))
+            source = params[name]
+            param.copy_(source if name in whole else
+                        take_shard(source, tuple(source.shape), name, full, parallel, tuple(param.shape)))
+        buffers = dict(module.named_buffers())
+        for name, buffer in local.named_buffers():
+            if name in buffers and buffers[name].shape == buffer.shape:
+                buffer.copy_(buffers[name])
     return local
