@@ -208,3 +208,26 @@ def test_qwen2_vl_images_on_two_ranks(qwen2_vl, tmp_path):
     for rank in ranks:
         assert "error" not in rank, rank.get("error")
         assert rank["tokens"] == [tokens for tokens, _ in references]
+
+
+def _ranks_given_different_requests(rank, world, port, folder, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    llm = LLM(folder, tensor_parallel_size=world)
+    prompts = prompt_set()[:2] if rank == 0 else prompt_set()[:3]  # rank 1 was given one request more
+    try:
+        llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        result = {"error": None}
+    except ZooError as exc:
+        result = {"error": str(exc)}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_ranks_given_different_requests_stop_with_a_clear_error(checkpoints, tmp_path):
+    """Every rank schedules for itself; a step fingerprint all-reduced each step catches ranks that diverge."""
+    mp.spawn(_ranks_given_different_requests, args=(2, free_port(), str(checkpoints["llama"][0]), str(tmp_path)),
+             nprocs=2, join=True)
+    for r in range(2):
+        error = torch.load(tmp_path / f"rank{r}.pt")["error"]
+        assert error and "the ranks disagree on this step's schedule" in error

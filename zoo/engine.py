@@ -174,6 +174,10 @@ class Engine:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request; this is a bug")
             return []
+        if self.parallel is not None:  # every rank schedules for itself: one small all-reduce checks they agree
+            self.parallel.check_same(hash(tuple((e.request.request_id, e.start, e.num_tokens,
+                                                 len(e.draft.tokens) if e.draft else 0) for e in scheduled)),
+                                     "this step's schedule")
         batch = self.runner.prepare(scheduled)
         output = self.runner.run(batch)
         if self._overlappable(batch):

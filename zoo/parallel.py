@@ -51,6 +51,14 @@ class TensorParallel:
             dist.all_gather(parts, local.contiguous())
         return torch.cat(parts)[:self.vocab_size]
 
+    def check_same(self, value: int, what: str) -> None:
+        """Every rank must hold the same ``value`` (a fingerprint of its step); else a clear error on all of them,
+        not a collective of mismatched sizes later."""
+        both = self.all_reduce(torch.tensor([value, -value], dtype=torch.int64), op=dist.ReduceOp.MAX)
+        if int(both[0]) != -int(both[1]):
+            raise ZooError(f"tensor-parallel rank {self.rank} of {self.world}: the ranks disagree on {what}; every "
+                           f"rank must be given the same requests in the same order")
+
     def agree_on_min(self, value: int) -> int:
         """The smallest of the ranks' values (KV blocks: every rank must schedule the same cache)."""
         return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MIN)[0])
