@@ -42,6 +42,10 @@ def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, de
                   "bytes": llm.engine.model.loaded_bytes, "kv_heads": llm.engine.runner.kv.description.num_kv_heads}
     except ZooError as exc:
         result = {"error": str(exc)}
+    except Exception:  # noqa: BLE001 - anything else: its traceback, for the test's message
+        import traceback
+
+        result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -31,6 +31,7 @@ class TensorParallel:
     rank: int
     world: int
     vocab_size: int  # the whole vocabulary, before padding to a multiple of the ranks
+    device: torch.device  # where the collectives' own small tensors live (NCCL reduces only GPU tensors)
 
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         with self._collective("all-reduce"):
@@ -54,14 +55,16 @@ class TensorParallel:
     def check_same(self, value: int, what: str) -> None:
         """Every rank must hold the same ``value`` (a fingerprint of its step); else a clear error on all of them,
         not a collective of mismatched sizes later."""
-        both = self.all_reduce(torch.tensor([value, -value], dtype=torch.int64), op=dist.ReduceOp.MAX)
-        if int(both[0]) != -int(both[1]):
+        both = self.all_reduce(torch.tensor([value, -value], dtype=torch.int64, device=self.device),
+                               op=dist.ReduceOp.MAX).tolist()
+        if both[0] != -both[1]:
             raise ZooError(f"tensor-parallel rank {self.rank} of {self.world}: the ranks disagree on {what}; every "
                            f"rank must be given the same requests in the same order")
 
     def agree_on_min(self, value: int) -> int:
         """The smallest of the ranks' values (KV blocks: every rank must schedule the same cache)."""
-        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MIN)[0])
+        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64, device=self.device),
+                                   op=dist.ReduceOp.MIN)[0])
 
     @contextlib.contextmanager
     def _collective(self, what: str):
@@ -91,7 +94,7 @@ def start(size: int, device: torch.device, vocab_size: int) -> TensorParallel | 
     if dist.get_world_size() != size:
         raise ZooError(f"runtime.tensor_parallel_size={size}, but the launcher started {dist.get_world_size()} "
                        f"processes")
-    return TensorParallel(dist.get_rank(), size, vocab_size)
+    return TensorParallel(dist.get_rank(), size, vocab_size, device)
 
 
 def split_description(desc: ModelDescription, world: int) -> ModelDescription:
