@@ -235,3 +235,30 @@ def test_ranks_given_different_requests_stop_with_a_clear_error(checkpoints, tmp
     for r in range(2):
         error = torch.load(tmp_path / f"rank{r}.pt")["error"]
         assert error and "the ranks disagree on this step's schedule" in error
+
+
+def test_a_plugin_declares_the_split_of_its_own_parameters():
+    """zoo_tensor_parallel_split answers first; the core's rule covers what it leaves."""
+    import pluggy
+
+    from zoo import hookimpl, hookspecs
+    from zoo.description import ModelDescription
+    from zoo.parallel import TensorParallel, shard_of
+
+    class Rule:
+        @hookimpl
+        def zoo_tensor_parallel_split(self, name, description, rank, world):
+            if name == "model.extra.weight":
+                return 0, rank * 6, 6
+            if name == "model.layers.0.self_attn.q_proj.weight":
+                return "whole"
+            return None
+
+    manager = pluggy.PluginManager("zoo")
+    manager.add_hookspecs(hookspecs)
+    manager.register(Rule())
+    desc = ModelDescription("x", 300, 64, 2, 4, 2, 128)
+    rank1 = TensorParallel(1, 2, 300, torch.device("cpu"), manager.hook)
+    assert shard_of("model.extra.weight", desc, rank1) == (0, 6, 6)
+    assert shard_of("model.layers.0.self_attn.q_proj.weight", desc, rank1) is None  # whole, by the plugin
+    assert shard_of("model.layers.1.self_attn.q_proj.weight", desc, rank1) == (0, 32, 32)  # the core's

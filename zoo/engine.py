@@ -76,7 +76,7 @@ class Engine:
                            f"(runtime.tensor_parallel_size > 1)")
         self.adapters = Adapters(self.plugin_manager, self)
         self.parallel = parallel.start(int(runtime["tensor_parallel_size"]), self.device,
-                                       self.description.vocab_size)
+                                       self.description.vocab_size, self.hooks)
         self.model = load_model(self.checkpoint, self.hooks, self.dtype, self.device, self.parallel)
         self.hooks.zoo_model_modify(model=self.model, description=self.description, config=config)
         self.model.fuse_projections()

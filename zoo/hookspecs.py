@@ -78,6 +78,18 @@ def zoo_weights_convert(description: "ModelDescription", name: str,
     """
 
 
+@hookspec(firstresult=True)
+def zoo_tensor_parallel_split(name: str, description: "ModelDescription", rank: int,
+                              world: int) -> tuple[int, int, int] | str | None:
+    """How one rank of a tensor-parallel split holds the parameter ``name`` of a module this plugin added.
+
+    Returns ``(dim, first, length)`` (the slice of the whole tensor along ``dim``), ``"whole"`` (every rank holds
+    all of it) or ``"zeros"`` (a bias the all-reduce adds once, from rank 0). None: the core's rule
+    (:func:`zoo.parallel.shard_of`: the Llama layout's projections, embedding and LM head, everything else
+    whole). Only parameters of shapes the plugin builds from the rank's description need one.
+    """
+
+
 @hookspec
 def zoo_model_build(model: "DecoderModel", description: "ModelDescription") -> None:
     """Add modules whose weights the checkpoint holds, before the weights load.

@@ -32,6 +32,7 @@ class TensorParallel:
     world: int
     vocab_size: int  # the whole vocabulary, before padding to a multiple of the ranks
     device: torch.device  # where the collectives' own small tensors live (NCCL reduces only GPU tensors)
+    hooks: object = None  # the plugins' zoo_tensor_parallel_split rules, consulted before the core's
 
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         with self._collective("all-reduce"):
@@ -79,7 +80,7 @@ class TensorParallel:
         return self.rank * local_vocab
 
 
-def start(size: int, device: torch.device, vocab_size: int) -> TensorParallel | None:
+def start(size: int, device: torch.device, vocab_size: int, hooks=None) -> TensorParallel | None:
     """The rank's place in a ``size``-way split, joining the launcher's process group; None for size 1."""
     if size == 1:
         return None
@@ -94,7 +95,7 @@ def start(size: int, device: torch.device, vocab_size: int) -> TensorParallel | 
     if dist.get_world_size() != size:
         raise ZooError(f"runtime.tensor_parallel_size={size}, but the launcher started {dist.get_world_size()} "
                        f"processes")
-    return TensorParallel(dist.get_rank(), size, vocab_size, device)
+    return TensorParallel(dist.get_rank(), size, vocab_size, device, hooks)
 
 
 def split_description(desc: ModelDescription, world: int) -> ModelDescription:
@@ -120,6 +121,10 @@ def shard_of(name: str, full: ModelDescription, parallel: TensorParallel):
     ``(dim, start, length)`` for a slice, "zeros" for a row-parallel bias on ranks past 0 (the all-reduce adds
     rank 0's), or None for a replicated tensor."""
     r, w, d = parallel.rank, parallel.world, full.head_dim
+    if parallel.hooks is not None:
+        declared = parallel.hooks.zoo_tensor_parallel_split(name=name, description=full, rank=r, world=w)
+        if declared is not None:
+            return None if declared == "whole" else declared
     if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
         heads = full.num_heads // w
         return 0, r * heads * d, heads * d
