@@ -18,6 +18,7 @@ from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
 from test_qwen2_vl import qwen2_vl  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
 from zoo.errors import ZooError
+from zoo.parallel import leave
 
 MAX_NEW = 8
 LOGPROB_ATOL = 1e-4  # float32: the all-reduce adds the ranks' partial sums in another order than one product
@@ -47,6 +48,7 @@ def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, de
 
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave()  # multiprocessing's children skip exit handlers
 
 
 def run_ranks(folder, option, prompts, tmp_path, world=2, adapters=None, decoding=None, overrides=()):
@@ -113,6 +115,7 @@ def _rank_that_dies(rank, world, port, folder, option, prompts, out_dir):
         result = {"error": str(exc)}
     result["seconds"] = time.perf_counter() - start
     torch.save(result, os.path.join(out_dir, "rank0.pt"))
+    leave()
 
 
 def test_a_killed_rank_ends_the_others_with_one_clear_error(checkpoints, tmp_path):
@@ -226,6 +229,7 @@ def _ranks_given_different_requests(rank, world, port, folder, out_dir):
     except ZooError as exc:
         result = {"error": str(exc)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave()
 
 
 def test_ranks_given_different_requests_stop_with_a_clear_error(checkpoints, tmp_path):

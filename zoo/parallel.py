@@ -12,6 +12,7 @@ schedules agree step by step without any message but the model's own collectives
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -92,10 +93,24 @@ def start(size: int, device: torch.device, vocab_size: int, hooks=None) -> Tenso
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        atexit.register(leave)
     if dist.get_world_size() != size:
         raise ZooError(f"runtime.tensor_parallel_size={size}, but the launcher started {dist.get_world_size()} "
                        f"processes")
     return TensorParallel(dist.get_rank(), size, vocab_size, device, hooks)
+
+
+def leave() -> None:
+    """Leave the process group cleanly: wait for every rank, then close it. A rank whose peers close their
+    connections while it is still in the group can die in gloo's threads ("terminate called without an active
+    exception"). Runs at exit; processes that skip exit handlers (multiprocessing's) call it themselves."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a rank already gone: close this one's side anyway
+        pass
+    dist.destroy_process_group()
 
 
 def split_description(desc: ModelDescription, world: int) -> ModelDescription:
