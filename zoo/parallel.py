@@ -7,7 +7,8 @@ when there are fewer KV heads than ranks: each rank then holds the one its query
 
 The processes come from ``torchrun`` (or any launcher that sets the usual RANK / WORLD_SIZE / MASTER_ADDR
 environment); gloo on CPU, NCCL on GPUs. Every rank runs the same engine on the same requests, so their
-schedules agree step by step without any message but the model's own collectives.
+schedules agree step by step; besides the model's own collectives, one small all-reduce per step checks that
+they do (``check_same``).
 """
 
 from __future__ import annotations
@@ -42,17 +43,17 @@ class TensorParallel:
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
         """``[rows, vocab / ranks]`` on each rank -> ``[rows, vocab]`` on every rank."""
-        parts = [torch.empty_like(local) for _ in range(self.world)]
-        with self._collective("all-gather"):
-            dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+        return self._all_gather(local, dim=-1)[:, :self.vocab_size]
 
     def gather_vocab_rows(self, local: torch.Tensor) -> torch.Tensor:
         """``[vocab / ranks, hidden]`` rows on each rank -> the whole ``[vocab, hidden]`` on every rank."""
+        return self._all_gather(local, dim=0)[:self.vocab_size]
+
+    def _all_gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         parts = [torch.empty_like(local) for _ in range(self.world)]
         with self._collective("all-gather"):
             dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts)[:self.vocab_size]
+        return torch.cat(parts, dim=dim)
 
     def check_same(self, value: int, what: str) -> None:
         """Every rank must hold the same ``value`` (a fingerprint of its step); else a clear error on all of them,

@@ -171,6 +171,9 @@ def run(cfg: DictConfig) -> int:
     if int(cfg.runtime.tensor_parallel_size) > 1 and "WORLD_SIZE" not in os.environ:
         try:
             check_settings(cfg, run=True)
+            if _job_label() is not None:  # re-running the command would run the whole sweep in every rank
+                raise ZooError("a sweep (-m) with runtime.tensor_parallel_size > 1 runs under torchrun: "
+                               "torchrun --nproc-per-node N -m zoo.run -m ...")
         except ZooError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
