@@ -266,3 +266,14 @@ def test_a_plugin_declares_the_split_of_its_own_parameters():
     assert shard_of("model.extra.weight", desc, rank1) == (0, 6, 6)
     assert shard_of("model.layers.0.self_attn.q_proj.weight", desc, rank1) is None  # whole, by the plugin
     assert shard_of("model.layers.1.self_attn.q_proj.weight", desc, rank1) == (0, 32, 32)  # the core's
+
+
+def test_a_sweep_without_a_launcher_is_refused_with_how_to_launch_it(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "zoo.run", "-m", "runtime.tensor_parallel_size=2", "prompt=hi"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 3  # the sweep's job did not succeed
+    assert "error: a sweep (-m) with runtime.tensor_parallel_size > 1 runs under torchrun" in done.stderr
+    assert "Traceback" not in done.stderr
