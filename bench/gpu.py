@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpt-fast-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--gpt-fast-timeout", type=int, default=400)
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--overlap-steps", action="store_true", help="runtime.overlap_steps=true for zoo's runs")
     args = p.parse_args(argv)
     from zoo import triton_attention
 
@@ -210,13 +211,14 @@ def main(argv=None) -> int:
         print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
         t_load, llm = timed(lambda: LLM(str(folder), dtype="bfloat16", max_num_seqs=256,
                                         max_num_batched_tokens=8192, max_model_len=2048,
-                                        gpu_memory_utilization=0.85))
+                                        gpu_memory_utilization=0.85, overlap_steps=args.overlap_steps))
         engine = llm.engine
         record["zoo_startup_s"] = t_load
         record["zoo_kv_blocks"] = engine.num_blocks
         record["zoo_profile_peak_GiB"] = (engine.profile_peak_bytes or 0) / 2**30
         record["zoo_cuda_graphs"] = engine.uses_cuda_graphs
         record["zoo_fused_ops"] = engine.uses_fused_ops
+        record["zoo_overlap_steps"] = engine.overlap_steps
         print(f"zoo ready in {t_load:.1f} s: {engine.num_blocks} KV blocks, step peak "
               f"{record['zoo_profile_peak_GiB']:.2f} GiB, graphs {engine.uses_cuda_graphs}", flush=True)
         vocab = SHAPE["vocab_size"]
