@@ -35,7 +35,7 @@ from zoo.forward_context import ForwardContext, forward_context
 from zoo.decoding import heads_folder
 from zoo.loader import load_module_weights
 from zoo.model import MLP, Attention, DecoderLayer, DenseCausal, RMSNorm
-from zoo.parallel import split_module
+from zoo.parallel import split_module, summed
 from zoo.step import BufferSpec
 from zoo.step_inputs import StepLayout, padded_rows
 
@@ -99,12 +99,8 @@ class Eagle3Draft(nn.Module):
         if features.shape[-1] != embeds.shape[-1]:  # the target's three layers, not the draft's own output
             features = self.fc(features)
         mixed = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(features)], dim=-1)
-        hidden = features + self._summed(layer.self_attn(mixed, rope))
-        return hidden + self._summed(layer.mlp(layer.post_attention_layernorm(hidden)))
-
-    def _summed(self, partial):
-        # Split over tensor-parallel ranks (o and down by input columns), each rank holds a partial sum.
-        return partial if self.parallel is None else self.parallel.all_reduce(partial)
+        hidden = features + summed(self.parallel, layer.self_attn(mixed, rope))
+        return hidden + summed(self.parallel, layer.mlp(layer.post_attention_layernorm(hidden)))
 
     def top_k(self, outputs, k: int, target_logits):
         best = torch.log_softmax(self.lm_head(self.norm(outputs)).float(), dim=-1).topk(k, dim=-1)

@@ -101,7 +101,7 @@ class Engine:
         self.inflight: InFlight | None = None
         self.overlapped_steps = 0
         self._token_buffers = ([torch.empty(int(runtime["max_num_seqs"]), dtype=torch.int64, pin_memory=True)
-                                for _ in range(2)] if self.device.type == "cuda" else None)
+                                for _ in range(2)] if self.overlap_steps and self.device.type == "cuda" else None)
         self._next_buffer = 0
 
     def _start_runner(self, runtime) -> ModelRunner:

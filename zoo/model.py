@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from zoo import fused_ops
 from zoo.description import ModelDescription
 from zoo.forward_context import get_forward_context
+from zoo.parallel import summed
 
 
 @dataclass
@@ -384,14 +385,9 @@ class DecoderLayer(nn.Module):
         """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
         normed, hidden = add_norm(self.input_layernorm, hidden, residual)
         residual = self._residual(normed, hidden)
-        attended = self.self_attn(normed, rope)
-        if self.parallel is not None:  # o_proj is split by its input columns: each rank holds a partial sum
-            attended = self.parallel.all_reduce(attended)
+        attended = summed(self.parallel, self.self_attn(normed, rope))
         normed, hidden = add_norm(self.post_attention_layernorm, attended, residual)
-        out = self.mlp(normed)
-        if self.parallel is not None:  # the same for down_proj
-            out = self.parallel.all_reduce(out)
-        return out, self._residual(normed, hidden)
+        return summed(self.parallel, self.mlp(normed)), self._residual(normed, hidden)
 
 
 class Backbone(nn.Module):

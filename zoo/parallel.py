@@ -82,6 +82,11 @@ class TensorParallel:
         return self.rank * local_vocab
 
 
+def summed(parallel: TensorParallel | None, partial: torch.Tensor) -> torch.Tensor:
+    """A row-split product's output (o, down: each rank holds a partial sum) made whole; as is without a split."""
+    return partial if parallel is None else parallel.all_reduce(partial)
+
+
 def start(size: int, device: torch.device, vocab_size: int, hooks=None) -> TensorParallel | None:
     """The rank's place in a ``size``-way split, joining the launcher's process group; None for size 1."""
     if size == 1:
