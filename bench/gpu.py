@@ -190,7 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpt-fast-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--gpt-fast-timeout", type=int, default=400)
     p.add_argument("--skip-prefill", action="store_true")
-    p.add_argument("--overlap-steps", action="store_true", help="runtime.overlap_steps=true for zoo's runs")
+    p.add_argument("--compare-overlap", action="store_true",
+                   help="also time each decode batch and the offline run with runtime.overlap_steps flipped, in "
+                        "the same process (host speed varies between processes)")
     args = p.parse_args(argv)
     from zoo import triton_attention
 
@@ -211,18 +213,20 @@ def main(argv=None) -> int:
         print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
         t_load, llm = timed(lambda: LLM(str(folder), dtype="bfloat16", max_num_seqs=256,
                                         max_num_batched_tokens=8192, max_model_len=2048,
-                                        gpu_memory_utilization=0.85, overlap_steps=args.overlap_steps))
+                                        gpu_memory_utilization=0.85, overlap_steps=args.compare_overlap))
         engine = llm.engine
         record["zoo_startup_s"] = t_load
         record["zoo_kv_blocks"] = engine.num_blocks
         record["zoo_profile_peak_GiB"] = (engine.profile_peak_bytes or 0) / 2**30
         record["zoo_cuda_graphs"] = engine.uses_cuda_graphs
         record["zoo_fused_ops"] = engine.uses_fused_ops
-        record["zoo_overlap_steps"] = engine.overlap_steps
+        default_overlap = False  # conf/runtime/default.yaml's runtime.overlap_steps
+        engine.overlap_steps = default_overlap  # built with it on, where compared, for its pinned buffers
+        record["zoo_overlap_steps"] = default_overlap
         print(f"zoo ready in {t_load:.1f} s: {engine.num_blocks} KV blocks, step peak "
               f"{record['zoo_profile_peak_GiB']:.2f} GiB, graphs {engine.uses_cuda_graphs}", flush=True)
         vocab = SHAPE["vocab_size"]
-        sweep = {}
+        sweep, flipped = {}, {}
         for batch in (1, 8, 32, 64):
             result, tokens, prompts = zoo_fixed_batch(llm, batch, 128, 256, vocab, weight_bytes, bandwidth,
                                                       args.layers)
@@ -232,7 +236,18 @@ def main(argv=None) -> int:
             print(f"zoo batch {batch}: {result['decode_tok_s']:.0f} tok/s decode, step {result['step_ms']:.2f} ms "
                   f"(roofline {result['roofline_step_ms']:.2f} ms, {100 * result['roofline_fraction']:.0f}%)",
                   flush=True)
+            if args.compare_overlap:
+                engine.overlap_steps = not default_overlap
+                other, other_tokens, _ = zoo_fixed_batch(llm, batch, 128, 256, vocab, weight_bytes, bandwidth,
+                                                         args.layers)
+                engine.overlap_steps = default_overlap
+                other["tokens_equal"] = other_tokens == tokens
+                flipped[batch] = other
+                print(f"  overlap_steps={not default_overlap}: {other['decode_tok_s']:.0f} tok/s decode, step "
+                      f"{other['step_ms']:.2f} ms, tokens equal {other['tokens_equal']}", flush=True)
         record["zoo_sweep"] = sweep
+        if flipped:
+            record["zoo_sweep_overlap_flipped"] = flipped
         if not args.skip_prefill:
             rate = matmul_rate()
             record["matmul_TFLOPs"] = rate / 1e12
@@ -259,6 +274,15 @@ def main(argv=None) -> int:
                                  "preemptions": engine.scheduler.num_preemptions}
         print(f"zoo offline: {generated / t_offline:.0f} output tok/s ({generated} tokens, {t_offline:.1f} s)",
               flush=True)
+        if args.compare_overlap:
+            engine.overlap_steps = not default_overlap
+            t_other, other_outs = timed(lambda: llm.generate(requests, params))
+            engine.overlap_steps = default_overlap
+            record["zoo_offline_overlap_flipped"] = {
+                "output_tok_s": sum(len(o.token_ids) for o in other_outs) / t_other,
+                "tokens_equal": [o.token_ids for o in other_outs] == [o.token_ids for o in outs]}
+            print(f"  overlap_steps={not default_overlap}: "
+                  f"{record['zoo_offline_overlap_flipped']['output_tok_s']:.0f} output tok/s", flush=True)
         free, total = torch.cuda.mem_get_info()
         record["memory"] = {"peak_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30,
                             "kv_cache_GiB": engine.num_blocks * engine.runner.kv.bytes_per_block() / 2**30,
@@ -336,6 +360,14 @@ def write_reports(record: dict, out: Path) -> None:
                   f"{r['decode_tok_s'] / other['decode_tok_s']:.2f}x") if other else "- | - | -"
         lines.append(f"| {batch} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_step_ms']:.2f} | "
                      f"{100 * r['roofline_fraction']:.0f}% | {versus} |")
+    flipped = record.get("zoo_sweep_overlap_flipped")
+    if flipped:
+        lines += ["", f"The same batches in the same process with runtime.overlap_steps="
+                      f"{not record['zoo_overlap_steps']}:", "",
+                  "| batch | decode tok/s | step ms | roofline fraction | tokens equal |", "|---|---|---|---|---|"]
+        for batch, r in flipped.items():
+            lines.append(f"| {batch} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | "
+                         f"{100 * r['roofline_fraction']:.0f}% | {r['tokens_equal']} |")
     if "error" in record.get("gpt_fast", {}):
         lines.append(f"gpt-fast failed: {record['gpt_fast']['error'][-300:]}")
     prefill = record.get("zoo_prefill", {})
@@ -358,6 +390,10 @@ def write_reports(record: dict, out: Path) -> None:
     if "zoo_offline_masked_prompts" in record:
         lines.append(f"The same workload (other prompts) with whole prompts through the mask: "
                      f"{record['zoo_offline_masked_prompts']['output_tok_s']:.0f} output tok/s.")
+    if "zoo_offline_overlap_flipped" in record:
+        r = record["zoo_offline_overlap_flipped"]
+        lines.append(f"With runtime.overlap_steps={not record['zoo_overlap_steps']}: {r['output_tok_s']:.0f} output "
+                     f"tok/s (tokens equal: {r['tokens_equal']}).")
     hf = record.get("hf")
     if hf:
         static = hf.get("static_b64", {})

@@ -37,12 +37,14 @@ class Committer:
         if plain:
             requests = [batch.scheduled[i].request for i in plain]
             row_ids = [batch.logits_rows[i][0] for i in plain]
+            argmax = output.argmax
             if row_ids == list(range(row_ids[0], row_ids[0] + len(row_ids))):
                 rows = output.logits[row_ids[0]:row_ids[0] + len(row_ids)]  # a view: no gather (all decode steps)
+                argmax = None if argmax is None else argmax[row_ids[0]:row_ids[0] + len(row_ids)]
             else:
-                rows = output.logits[row_ids]
-            chosen = dict(zip(plain, self.sampler.select(rows, requests, TokenHistories(requests))))
-        self.greedy = self._greedy_draft_rows(batch, output.logits)
+                rows, argmax = output.logits[row_ids], None
+            chosen = dict(zip(plain, self.sampler.select(rows, requests, TokenHistories(requests), argmax)))
+        self.greedy = self._greedy_draft_rows(batch, output)
         self.moves = ([], [])  # accepted drafts' K/V, (from, to) cache slots: one copy for the whole step
         results = [self._advance(entry, offset, output.logits, rows, chosen.get(i))
                    for i, (entry, offset, rows) in enumerate(zip(batch.scheduled, batch.token_offsets,
@@ -50,14 +52,15 @@ class Committer:
         self.engine.runner.kv.move_slots(*self.moves)
         return results
 
-    def _greedy_draft_rows(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, list[int]]:
+    def _greedy_draft_rows(self, batch: StepBatch, output: StepOutput) -> dict[int, list[int]]:
         """The argmax of every logits row of each drafted plain-greedy request, in one op and one copy."""
         drafted = [(e.request.request_id, rows) for e, rows in zip(batch.scheduled, batch.logits_rows)
                    if e.samples and e.draft is not None and self.sampler.plain_greedy(e.request)]
         if not drafted:
             return {}
         flat = [r for _, rows in drafted for r in rows]
-        tokens = logits[torch.tensor(flat, device=logits.device)].argmax(-1).tolist()
+        picked = torch.tensor(flat, device=output.logits.device)
+        tokens = (output.logits[picked].argmax(-1) if output.argmax is None else output.argmax[picked]).tolist()
         greedy, k = {}, 0
         for request_id, rows in drafted:
             greedy[request_id], k = tokens[k:k + len(rows)], k + len(rows)

@@ -208,7 +208,7 @@ class Engine:
     def _in_flight(self, batch, output, unrecorded_s: float) -> InFlight:
         """Start the step's argmax and its copy to the host; nothing waits for them here."""
         rows = len(batch.scheduled)
-        tokens = output.logits[:rows].argmax(-1)
+        tokens = output.logits[:rows].argmax(-1) if output.argmax is None else output.argmax[:rows]
         if self._token_buffers is None:
             return InFlight(batch, output, tokens, tokens, None, unrecorded_s)
         host = self._token_buffers[self._next_buffer][:rows]  # two buffers: the step in flight and the next

@@ -179,8 +179,8 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> StepOutput:
         rows = len(batch.logits_indices)
         if batch.graph is not None:
-            logits, hidden, layer_outputs = self.graphs.replay(*batch.graph)
-            return StepOutput(logits[:rows], hidden, layer_outputs)
+            logits, hidden, layer_outputs, argmax = self.graphs.replay(*batch.graph)
+            return StepOutput(logits[:rows], hidden, layer_outputs, argmax[:rows])
         buffers = self.step_buffers(batch.sizes)
         with forward_context(ForwardContext(batch.attention, buffers, batch)) as context:
             hidden = self.model(buffers["input_ids"], buffers["positions"])

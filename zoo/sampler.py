@@ -45,10 +45,12 @@ class Sampler:
             request.stop_token_set = ids
         return request.stop_token_set
 
-    def select(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]]) -> list[int]:
-        """Next token for each row of raw ``logits``; row ``i`` follows ``histories[i]``."""
+    def select(self, logits: torch.Tensor, requests: list[Request], histories: list[list[int]],
+               argmax: torch.Tensor | None = None) -> list[int]:
+        """Next token for each row of raw ``logits``; row ``i`` follows ``histories[i]``. ``argmax``: the rows'
+        argmax where the step already has it (a replayed graph's)."""
         if all(self.plain_greedy(r) for r in requests):  # the common decode step: no copy of the logits
-            return logits.argmax(-1).tolist()
+            return (logits.argmax(-1) if argmax is None else argmax).tolist()
         logits = self.process(logits, requests, histories)
         tokens = logits.argmax(-1).tolist()  # greedy rows: one op for the whole batch
         sampled = [i for i, r in enumerate(requests) if r.params.temperature > 0]

@@ -57,6 +57,9 @@ class StepOutput:
     logits: torch.Tensor  # [rows, vocab] float32, rows in StepBatch.logits_rows order
     hidden: torch.Tensor  # [num_tokens (or graph size), hidden_size] after the final norm
     layer_outputs: dict[int, torch.Tensor]  # captured decoder layers' outputs, same rows as hidden
+    # Each logits row's argmax, computed inside a replayed graph (None for eager steps): a greedy step then
+    # launches nothing after the replay but the copy of its tokens.
+    argmax: torch.Tensor | None = None
 
 
 @dataclass
