@@ -1,6 +1,8 @@
-"""The Triton decode kernel alone, for each tile width (``BLOCKS_PER_ITER``), on Llama-3.2-1B attention shapes.
+"""The Triton decode kernel alone (with its merge), for each launch configuration, on Llama-3.2-1B attention shapes.
 
-    python bench/decode_kernel.py            # prints a table, then "best N" (fastest over batch 64 and 256)
+    python bench/decode_kernel.py            # a table of configurations x cases, then the fastest per case
+
+A configuration is blocks per split, blocks per tile, programs per launch, warps and stages (``CONFIGS``).
 
 Each timing replays a CUDA graph of 16 kernel calls, as decode steps do, so launch
 costs stay out of it; the figure is microseconds per call (one layer).
@@ -58,22 +60,37 @@ def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
     return best
 
 
+CASES = [(1, 256), (1, 2048), (8, 256), (64, 256), (64, 1024), (256, 700)]
+# (blocks per split, blocks per tile, programs per launch, warps, stages); None: Triton's default
+CONFIGS = [(4, 4, 2048, None, None), (4, 4, 2048, 2, 1), (4, 4, 2048, 4, 1), (4, 4, 2048, 8, 1),
+           (4, 4, 1024, None, None), (4, 4, 4096, None, None), (4, 2, 2048, None, None),
+           (8, 4, 2048, None, None), (8, 8, 2048, None, None), (8, 4, 2048, 4, 2), (8, 8, 2048, 8, 1),
+           (16, 4, 2048, None, None), (16, 8, 2048, None, None), (16, 16, 2048, 8, 1), (16, 4, 2048, 4, 3)]
+
+
 def main() -> int:
-    cases = [(1, 256), (64, 256), (64, 1024), (256, 700)]
-    choices = [n for n in (1, 2, 4) if triton_attention.BLOCKS_PER_SPLIT % n == 0]
-    totals = {}
-    print("| batch | context | " + " | ".join(f"{n} block(s) per tile, us" for n in choices) + " |")
-    print("|---|---|" + "---|" * len(choices))
-    for batch, context in cases:
-        row = []
-        for n in choices:
-            triton_attention.BLOCKS_PER_ITER = n
-            us = time_kernel(batch, context)
-            row.append(us)
-            if batch >= 64:
-                totals[n] = totals.get(n, 0.0) + us
-        print(f"| {batch} | {context} | " + " | ".join(f"{us:.1f}" for us in row) + " |", flush=True)
-    print(f"best {min(totals, key=totals.get)}")
+    """Every configuration on every case; then the fastest configuration per case."""
+    saved = (triton_attention.BLOCKS_PER_SPLIT, triton_attention.BLOCKS_PER_ITER, triton_attention.LAUNCH_PROGRAMS,
+             triton_attention.NUM_WARPS, triton_attention.NUM_STAGES)
+    print("configuration: blocks per split / blocks per tile / programs per launch / warps / stages "
+          f"(zoo's now: {'/'.join(map(str, saved))})")
+    print("| configuration | " + " | ".join(f"b{b} ctx{c}, us" for b, c in CASES) + " |")
+    print("|---|" + "---|" * len(CASES))
+    results = {}
+    for config in CONFIGS:
+        (triton_attention.BLOCKS_PER_SPLIT, triton_attention.BLOCKS_PER_ITER, triton_attention.LAUNCH_PROGRAMS,
+         triton_attention.NUM_WARPS, triton_attention.NUM_STAGES) = config
+        try:
+            row = [time_kernel(batch, context) for batch, context in CASES]
+        except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses: report, go on
+            print(f"| {'/'.join(map(str, config))} | failed: {type(exc).__name__}: {str(exc)[:120]} |", flush=True)
+            continue
+        results[config] = row
+        print(f"| {'/'.join(map(str, config))} | " + " | ".join(f"{us:.1f}" for us in row) + " |", flush=True)
+    for i, (batch, context) in enumerate(CASES):
+        best = min(results, key=lambda c: results[c][i])
+        print(f"best for b{batch} ctx{context}: {'/'.join(map(str, best))} {results[best][i]:.1f} us "
+              f"(zoo's now {results.get(saved, [float('nan')] * len(CASES))[i]:.1f} us)")
     return 0
 
 

@@ -37,6 +37,7 @@ def test_overlapped_steps_give_transformers_tokens_with_uneven_lengths(llama):
         assert out.token_ids == reference[tuple(prompt)][:n]
         assert out.finish_reason == "length"
     assert llm.engine.overlapped_steps >= MAX_NEW - 3
+    assert llm.engine.advanced_in_place > 0  # steps with the same rows as the one before: advanced on the device
     assert not llm.engine.has_work() and llm.engine.blocks.num_used_blocks == 0
 
 
@@ -68,7 +69,7 @@ def test_new_requests_and_full_caches_go_back_to_ordinary_steps(llama):
     engine.run_until_done()
     for prompt, request in zip(prompts, first + later):
         assert request.output_token_ids == reference[tuple(prompt)], request.error
-    assert engine.overlapped_steps > 0
+    assert engine.overlapped_steps > 0 and engine.advanced_in_place > 0  # 4-token blocks: new blocks mid-run
     assert engine.scheduler.num_preemptions > 0  # the small cache made the scheduler step in
 
 

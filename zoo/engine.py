@@ -100,6 +100,7 @@ class Engine:
         self.step_result_hooks = bool(self.hooks.zoo_step_results.get_hookimpls())
         self.inflight: InFlight | None = None
         self.overlapped_steps = 0
+        self.advanced_in_place = 0  # overlapped steps whose inputs the device advanced from the step before
         self._token_buffers = ([torch.empty(int(runtime["max_num_seqs"]), dtype=torch.int64, pin_memory=True)
                                 for _ in range(2)] if self.overlap_steps and self.device.type == "cuda" else None)
         self._next_buffer = 0
@@ -231,22 +232,27 @@ class Engine:
         A request that ``pending`` turns out to finish (a stop token) has its extra token dropped at commit."""
         if self.scheduler.waiting:
             return None
-        entries, rows = [], []
+        entries, rows, new_blocks = [], [], []
         for row, entry in enumerate(pending.batch.scheduled):
             request = entry.request
             if (request.is_finished or len(request.output_token_ids) + 1 >= request.params.max_new_tokens
                     or request.num_tokens + 1 >= self.max_model_len):
                 continue  # ends with pending's token
+            held = len(request.block_ids)
             if not self.blocks.ensure_slots(request, request.num_tokens + 1):
                 return None
+            new_blocks += [(row, col, request.block_ids[col]) for col in range(held, len(request.block_ids))]
             entries.append(ScheduledRequest(request, request.num_tokens, 1, token_on_device=True))
             rows.append(row)
         if not entries:
             return None
         start = time.perf_counter()
-        batch = self.runner.prepare(entries)
         tokens = pending.tokens
-        if len(rows) < len(pending.batch.scheduled):
+        if len(entries) == len(pending.batch.scheduled):  # the same rows: advance pending's inputs in place
+            batch = self.runner.advance_decode(pending.batch, entries, new_blocks)
+            self.advanced_in_place += 1
+        else:
+            batch = self.runner.prepare(entries)
             tokens = tokens[torch.tensor(rows, device=tokens.device)]
         self.runner.buffers["input_ids"][:len(entries)].copy_(tokens)
         output = self.runner.run(batch)

@@ -24,7 +24,7 @@ from zoo.request import Request
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
 from zoo.step import BufferSpec, StepBatch, StepOutput
-from zoo.step_inputs import StepLayout
+from zoo.step_inputs import StepLayout, int64_tensor
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,32 @@ class ModelRunner:
             self.graphs.pad_rows(len(scheduled), graph[1], stride)
         self.hooks.zoo_step_prepare(batch=batch, buffers=self.step_buffers(batch.sizes))
         return batch
+
+    def advance_decode(self, batch: StepBatch, scheduled: list[ScheduledRequest],
+                       new_blocks: list[tuple[int, int, int]]) -> StepBatch:
+        """The step after ``batch`` (plain decodes, one token each) for the same requests in the same rows, laid
+        out on the device: every position, cache index and context length one further, each slot looked up in
+        the block tables. From the host only ``new_blocks`` ((row, column, block id): blocks appended since)
+        and the next tokens, which the caller copies; a full :meth:`prepare` builds and copies every list."""
+        n, buf, bs = len(scheduled), self.buffers, self.block_size
+        if new_blocks:
+            rows, columns, ids = (int64_tensor(v).to(self.device, non_blocking=True) for v in zip(*new_blocks))
+            buf["block_tables"][rows, columns] = ids
+        buf["positions"][:, :n] += 1
+        for name in ("token_cache_index", "context_lens", "draft_start"):
+            buf[name][:n] += 1
+        buf["query_cache_index"][:n, 0] += 1
+        if "query_index_in_sequence" in buf:
+            buf["query_index_in_sequence"][:n, 0] += 1
+        index = buf["token_cache_index"][:n]
+        buf["slot_mapping"][:n] = buf["block_tables"][:n].gather(1, (index // bs)[:, None])[:, 0] * bs + index % bs
+        step = StepBatch(scheduled, n, batch.token_offsets, batch.logits_rows, batch.logits_indices,
+                         graph=batch.graph)
+        if step.graph is None:
+            num_blocks = max(len(e.request.block_ids) for e in scheduled)
+            step.attention = self.attention_metadata(n, n, 1, num_blocks, False)
+        self.hooks.zoo_step_prepare(batch=step, buffers=self.step_buffers(step.sizes))
+        return step
 
     def attention_metadata(self, num_tokens, num_seqs, max_query, num_blocks, has_drafts,
                            use_kernel: bool | None = None, fresh_causal: bool = False) -> AttentionMetadata:

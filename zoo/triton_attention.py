@@ -41,6 +41,9 @@ BLOCKS_PER_ITER = 4
 # Programs launched per call, about: lanes per (token, KV head) = this over tokens x KV heads, at most the
 # splits of the widest block table. At batch 1 that is every split; at batch 64, four lanes.
 LAUNCH_PROGRAMS = 2048
+# Triton's launch options for the decode kernel (None: Triton's defaults); bench/decode_kernel.py sweeps them.
+NUM_WARPS: int | None = None
+NUM_STAGES: int | None = None
 
 
 def available() -> bool:
@@ -180,6 +183,7 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
         IEEE=q.dtype == torch.float32,
+        **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
     # Merge the splits: weight each by its share of the total softmax mass.
     out = torch.empty_like(q)
