@@ -266,7 +266,13 @@ def main(argv=None) -> int:
         print(f"zoo offline, whole prompts through the mask: "
               f"{record['zoo_offline_masked_prompts']['output_tok_s']:.0f} output tok/s", flush=True)
         requests = offline_requests(vocab, args.offline_requests, seed=2)
+        before = dict(vars(engine.stats), overlapped=engine.overlapped_steps, advanced=engine.advanced_in_place)
         t_offline, outs = timed(lambda: llm.generate(requests, params))
+        after = dict(vars(engine.stats), overlapped=engine.overlapped_steps, advanced=engine.advanced_in_place)
+        record["zoo_offline_steps"] = {key: after[key] - before[key] for key in
+                                       ("steps", "prefill_seconds", "decode_seconds", "prefill_tokens",
+                                        "decode_tokens", "overlapped", "advanced")}
+        print(f"zoo offline steps: {record['zoo_offline_steps']}", flush=True)
         generated = sum(len(o.token_ids) for o in outs)
         record["zoo_offline"] = {"requests": len(requests), "output_tokens": generated, "seconds": t_offline,
                                  "output_tok_s": generated / t_offline,
@@ -388,6 +394,12 @@ def write_reports(record: dict, out: Path) -> None:
     off = record["zoo_offline"]
     lines += ["", f"Offline, {off['requests']} requests: {off['output_tok_s']:.0f} output tok/s "
                   f"({off['seconds']:.1f} s, {off['preemptions']} preemptions)."]
+    steps = record.get("zoo_offline_steps")
+    if steps:
+        lines.append(f"Its {steps['steps']} steps: {steps['prefill_seconds']:.2f} s in steps with prompt tokens "
+                     f"({steps['prefill_tokens']} of them), {steps['decode_seconds']:.2f} s in decode-only steps "
+                     f"({steps['decode_tokens']} tokens; {steps['overlapped']} overlapped, {steps['advanced']} "
+                     f"advanced on the device).")
     if "zoo_offline_masked_prompts" in record:
         lines.append(f"The same workload (other prompts) with whole prompts through the mask: "
                      f"{record['zoo_offline_masked_prompts']['output_tok_s']:.0f} output tok/s.")
