@@ -2,7 +2,8 @@
 
     python bench/decode_kernel.py            # a table of configurations x cases, then the fastest per case
 
-A configuration is blocks per split, blocks per tile, programs per launch, warps and stages (``CONFIGS``).
+A configuration is blocks per split, blocks per tile, programs per launch, warps and stages (``CONFIGS``); its
+split size is used at every batch size (zoo switches to ``WIDE_BLOCKS_PER_SPLIT`` from ``WIDE_ROWS`` up).
 
 Each timing replays a CUDA graph of 16 kernel calls, as decode steps do, so launch
 costs stay out of it; the figure is microseconds per call (one layer).
@@ -80,6 +81,7 @@ def main() -> int:
     for config in CONFIGS:
         (triton_attention.BLOCKS_PER_SPLIT, triton_attention.BLOCKS_PER_ITER, triton_attention.LAUNCH_PROGRAMS,
          triton_attention.NUM_WARPS, triton_attention.NUM_STAGES) = config
+        triton_attention.WIDE_BLOCKS_PER_SPLIT = config[0]  # one split size for every case
         try:
             row = [time_kernel(batch, context) for batch, context in CASES]
         except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses: report, go on

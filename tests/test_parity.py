@@ -109,3 +109,28 @@ def test_whole_prompt_steps_without_the_mask_match_transformers(checkpoints, ref
         assert any(taken) != bool(llm.engine.description.sliding_window)  # a window keeps the mask
         for i, (out, (ref_tokens, _)) in enumerate(zip(outputs, references[name])):
             assert out.token_ids == ref_tokens, f"prompt {i}, {runtime}"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_decode_tokens_beside_whole_prompts_match_transformers(checkpoints, references, name):
+    """The GPU's path for a step that admits whole prompts while others decode (the decode kernel for the decode
+    tokens, causal SDPA over each prompt's own keys, no dense mask), forced on here: the kernel runs in Triton's
+    interpreter. Requests arrive while others decode, so such steps occur."""
+    pytest.importorskip("triton")
+    prompts = prompt_set()
+    llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], block_size=16, max_num_batched_tokens=512)
+    engine = llm.engine
+    engine.runner.decode_kernel = engine.runner.fresh_causal_path = True
+    split_steps = []
+    original = engine.runner.attention_metadata
+    engine.runner.attention_metadata = lambda *a, **k: split_steps.append(original(*a, **k)) or split_steps[-1]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    requests = []
+    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):  # each arrives beside decoding ones
+        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
+        engine.step()
+        engine.step()
+    engine.run_until_done()
+    assert sum(meta.split is not None for meta in split_steps) >= 2
+    for i, (request, (ref_tokens, _)) in enumerate(zip(requests, references[name])):
+        assert request.output_token_ids == ref_tokens, f"prompt {i}"

@@ -37,11 +37,15 @@ def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 8)])
-# launch_programs 1: one lane per (token, KV head), which loops over every split of the context
-@pytest.mark.parametrize("blocks_per_iter, launch_programs", [(1, 2048), (2, 2048), (4, 2048), (4, 1)])
-def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_iter, launch_programs, monkeypatch):
+# launch_programs 1: one lane per (token, KV head), which loops over every split of the context;
+# wide_rows 1: the wide splits (WIDE_BLOCKS_PER_SPLIT blocks) that large batches take
+@pytest.mark.parametrize("blocks_per_iter, launch_programs, wide_rows",
+                         [(1, 2048, 512), (2, 2048, 512), (4, 2048, 512), (4, 1, 512), (4, 2048, 1), (2, 1, 1)])
+def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_iter, launch_programs, wide_rows,
+                                        monkeypatch):
     monkeypatch.setattr(triton_attention, "BLOCKS_PER_ITER", blocks_per_iter)
     monkeypatch.setattr(triton_attention, "LAUNCH_PROGRAMS", launch_programs)
+    monkeypatch.setattr(triton_attention, "WIDE_ROWS", wide_rows)
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's interpreter computes bf16 dot products wrongly; checked on the GPU run")
     g = torch.Generator().manual_seed(heads + kv_heads)

@@ -46,6 +46,24 @@ class AttentionMetadata:
     has_tree: bool = False
     use_decode_kernel: bool = False
     fresh_causal: bool = False  # whole prompts only: causal attention over the step's own keys, no mask
+    split: "DecodeAndPrompts | None" = None  # decode tokens beside whole prompts: two kernels, no mask
+
+
+@dataclass
+class DecodeAndPrompts:
+    """A step of decode tokens and whole prompts (continuous batching admitting requests): the decode kernel
+    for the first, causal SDPA over each prompt's own keys for the second; neither needs the dense mask, which
+    pads every decode token to the longest prompt."""
+
+    decode_rows: torch.Tensor  # [Td] token rows of the decode tokens
+    decode_seq: torch.Tensor  # [Td] their sequences (rows of block_tables)
+    decode_cache_index: torch.Tensor  # [Td] their cache indices
+    prompt_rows: torch.Tensor  # [Tp] token rows of the prompts' tokens
+    prompt_slots: torch.Tensor  # [Tp] their cache slots
+    prompt_seq: torch.Tensor  # [Tp] which prompt, 0..num_prompts-1
+    prompt_query_index: torch.Tensor  # [Tp] index in its prompt
+    num_prompts: int
+    longest_prompt: int
 
 
 @dataclass
@@ -173,7 +191,19 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
                                       meta.token_seq, meta.token_cache_index, meta.draft_start, meta.draft_visible,
                                       scale, meta.has_tree)
     if meta.fresh_causal:
-        return fresh_causal_attention(q, key_cache, value_cache, meta, scale)
+        return causal_over_own_keys(q, key_cache, value_cache, meta.slot_mapping, meta.token_seq,
+                                    meta.token_query_index, meta.block_tables.shape[0], meta.max_query_len, scale)
+    if meta.split is not None:
+        from zoo.triton_attention import paged_decode_attention
+
+        split, out = meta.split, torch.empty_like(q)
+        out[split.decode_rows] = paged_decode_attention(
+            q[split.decode_rows], key_cache, value_cache, meta.block_tables, meta.context_lens, split.decode_seq,
+            split.decode_cache_index, meta.draft_start, None, scale, False)
+        out[split.prompt_rows] = causal_over_own_keys(
+            q[split.prompt_rows], key_cache, value_cache, split.prompt_slots, split.prompt_seq,
+            split.prompt_query_index, split.num_prompts, split.longest_prompt, scale)
+        return out
     keys = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     num_seqs = meta.block_tables.shape[0]
@@ -192,27 +222,28 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
 WHOLE_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def fresh_causal_attention(q, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def causal_over_own_keys(q, key_cache, value_cache, slots, seq, query_index, num_seqs: int, longest: int,
+                         scale: float) -> torch.Tensor:
     """Whole prompts: each sequence's keys are exactly its tokens of this step, so SDPA runs causally on them
     (flash kernels) with no gather of cache blocks and no dense mask. Sequences are right-padded to the longest;
-    causality keeps every real query off the padding."""
+    causality keeps every real query off the padding. ``seq``/``query_index``: each row's sequence (0..num_seqs-1)
+    and index in it; ``slots``: where the cache holds each row's key and value."""
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    keys = key_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping]  # rotated, as the cache holds them
-    values = value_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping]
-    num_seqs = meta.block_tables.shape[0]
+    keys = key_cache.view(-1, kv_heads, head_dim)[slots]  # rotated, as the cache holds them
+    values = value_cache.view(-1, kv_heads, head_dim)[slots]
 
     def by_sequence(x):  # [T, heads, D] -> [B, heads, L, D]
         if num_seqs == 1:
             return x[None].transpose(1, 2)
-        padded = x.new_zeros(num_seqs, meta.max_query_len, *x.shape[1:])
-        padded[meta.token_seq, meta.token_query_index] = x
+        padded = x.new_zeros(num_seqs, longest, *x.shape[1:])
+        padded[seq, query_index] = x
         return padded.transpose(1, 2)
 
     # Flash first: cuDNN's attention builds a plan per new shape, and whole-prompt steps come in many shapes.
     with sdpa_kernel(WHOLE_PROMPT_BACKENDS):
         out = F.scaled_dot_product_attention(by_sequence(q), by_sequence(keys), by_sequence(values), is_causal=True,
                                              scale=scale, enable_gqa=q.shape[1] != kv_heads).transpose(1, 2)
-    return out[0] if num_seqs == 1 else out[meta.token_seq, meta.token_query_index]
+    return out[0] if num_seqs == 1 else out[seq, query_index]
 
 
 class LinearWrapper(nn.Module):

@@ -19,7 +19,7 @@ from zoo.cuda_graphs import DecodeGraphs
 from zoo.description import ModelDescription
 from zoo.forward_context import ForwardContext, forward_context
 from zoo.kv_cache import KVCache
-from zoo.model import AttentionMetadata, DecoderModel
+from zoo.model import AttentionMetadata, DecodeAndPrompts, DecoderModel
 from zoo.request import Request
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
@@ -120,8 +120,11 @@ class ModelRunner:
                           layout.logits_indices, graph=graph)
         if graph is None:
             fresh = layout.fresh_causal and self.fresh_causal_path and not self.description.sliding_window
+            split = (not fresh and self.decode_kernel and self.fresh_causal_path and layout.decode_or_prompt
+                     and layout.decode_rows and layout.prompt_spans)
             batch.attention = self.attention_metadata(batch.num_tokens, len(scheduled), max_query, num_blocks,
-                                                      layout.has_drafts, fresh_causal=fresh)
+                                                      layout.has_drafts, fresh_causal=fresh,
+                                                      split=layout if split else None)
         else:
             self.graphs.pad_rows(len(scheduled), graph[1], stride)
         self.hooks.zoo_step_prepare(batch=batch, buffers=self.step_buffers(batch.sizes))
@@ -154,15 +157,18 @@ class ModelRunner:
         return step
 
     def attention_metadata(self, num_tokens, num_seqs, max_query, num_blocks, has_drafts,
-                           use_kernel: bool | None = None, fresh_causal: bool = False) -> AttentionMetadata:
+                           use_kernel: bool | None = None, fresh_causal: bool = False,
+                           split: StepLayout | None = None) -> AttentionMetadata:
         """The step's attention metadata; ``use_kernel`` None: the decode kernel wherever it handles the query.
-        ``fresh_causal``: every sequence attends causally over exactly this step's tokens (whole prompts)."""
+        ``fresh_causal``: every sequence attends causally over exactly this step's tokens (whole prompts).
+        ``split``: the layout of a step of decode tokens and whole prompts, attended by two kernels."""
         if use_kernel is None:
             use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
         fresh_causal = fresh_causal and not use_kernel
         buf = self.buffers
+        decode_and_prompts = None if use_kernel or fresh_causal or split is None else self._decode_and_prompts(split)
         visible = buf["draft_visible"][:num_tokens] if has_drafts else None
-        mask = (None if use_kernel or fresh_causal
+        mask = (None if use_kernel or fresh_causal or decode_and_prompts
                 else self._dense_mask(num_tokens, num_seqs, max_query, num_blocks, visible))
         return AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:num_tokens],
@@ -178,7 +184,25 @@ class ModelRunner:
             has_tree=has_drafts,
             use_decode_kernel=use_kernel,
             fresh_causal=fresh_causal,
+            split=decode_and_prompts,
         )
+
+    def _decode_and_prompts(self, layout: StepLayout) -> DecodeAndPrompts:
+        rows, seq, index = [], [], []
+        for k, (first, length) in enumerate(layout.prompt_spans):
+            rows += range(first, first + length)
+            seq += [k] * length
+            index += range(length)
+        buf, device = self.buffers, self.device
+        decode_rows = int64_tensor(layout.decode_rows).to(device, non_blocking=True)
+        prompt_rows = int64_tensor(rows).to(device, non_blocking=True)
+        return DecodeAndPrompts(
+            decode_rows=decode_rows, decode_seq=buf["token_seq"][decode_rows],
+            decode_cache_index=buf["token_cache_index"][decode_rows],
+            prompt_rows=prompt_rows, prompt_slots=buf["slot_mapping"][prompt_rows],
+            prompt_seq=int64_tensor(seq).to(device, non_blocking=True),
+            prompt_query_index=int64_tensor(index).to(device, non_blocking=True),
+            num_prompts=len(layout.prompt_spans), longest_prompt=max(n for _, n in layout.prompt_spans))
 
     def _dense_mask(self, num_tokens, num_seqs, max_query, num_blocks, visible) -> torch.Tensor:
         """``[B, 1, Q, keys]``: causal by cache index, windowed, and ancestors only inside a draft block."""

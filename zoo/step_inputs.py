@@ -55,11 +55,17 @@ class StepLayout:
         self.has_drafts = False
         # Every sequence's queries are its whole context so far, causal: attention needs no cache or mask.
         self.fresh_causal = True
+        # Each sequence is either one decode token (its row in decode_rows) or a whole prompt ((first row,
+        # length) in prompt_spans): attention splits into the decode kernel and causal SDPA, with no mask.
+        self.decode_or_prompt = True
+        self.decode_rows: list[int] = []
+        self.prompt_spans: list[tuple[int, int]] = []
 
     def add_decode_token(self, b: int, entry: ScheduledRequest) -> None:
         """The common case at large batch (one committed token, no drafts, default positions), unrolled."""
         request, i = entry.request, entry.start
         self.fresh_causal = self.fresh_causal and i == 0
+        self.decode_rows.append(len(self.input_ids))
         self.offsets.append(len(self.input_ids))
         self.logits_rows.append([len(self.logits_indices)] if entry.samples else [])
         if entry.samples:
@@ -80,6 +86,12 @@ class StepLayout:
         self.fresh_causal = (self.fresh_causal and entry.start == 0 and draft is None
                              and request.bidirectional_prefix <= 1)
         first_row, first_draft = len(self.input_ids), entry.start + entry.num_tokens
+        if draft is None and entry.start == 0 and request.bidirectional_prefix <= 1:
+            self.prompt_spans.append((first_row, entry.num_tokens))
+        elif draft is None and entry.num_tokens == 1 and entry.start >= request.bidirectional_prefix:
+            self.decode_rows.append(first_row)
+        else:
+            self.decode_or_prompt = False
         self.offsets.append(first_row)
         cache_index = list(range(entry.start, first_draft))
         tokens = request.token_slice(entry.start, first_draft)
@@ -122,7 +134,7 @@ class StepLayout:
         """
         first, used = self.offsets[-1], len(self.input_ids) - self.offsets[-1]
         n = stride - used
-        self.fresh_causal = False
+        self.fresh_causal = self.decode_or_prompt = False
         self.input_ids += [0] * n
         for row in self.positions:
             row += [0] * n

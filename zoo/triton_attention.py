@@ -34,6 +34,12 @@ except Exception:  # noqa: BLE001 - not installed or broken: the SDPA path still
 # Blocks one program walks. Small, so that even one short sequence spreads over many programs:
 # at batch 1 a 150-token context with 16 blocks per split ran in one program per KV head (17 us per layer).
 BLOCKS_PER_SPLIT = 4
+# From this many (query token, KV head) pairs per launch up (batch 64 on Llama-3.2-1B's 8 KV heads), splits of
+# WIDE_BLOCKS_PER_SPLIT: fewer partial results to write and merge. On the H200, batch 64 at context 1024 took 52.3
+# against 65.3 us per layer, batch 256 at context 700 141.8 against 177.1; below it the short splits stay faster
+# (bench/results/gpu/round2/decode_kernel_sweep.txt).
+WIDE_ROWS = 512
+WIDE_BLOCKS_PER_SPLIT = 16
 # Blocks one loop iteration reads as a single tile (a divisor of BLOCKS_PER_SPLIT). On the H200 a whole split
 # in one tile was fastest: 23.7 us per layer at batch 64 and context 256, against 30.7 us for one block per
 # iteration, 154 against 254 us at batch 256 and context 700 (bench/results/gpu/decode_kernel.txt).
@@ -165,7 +171,8 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
     tokens, heads, head_dim = q.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
-    num_splits = -(-block_tables.shape[1] // BLOCKS_PER_SPLIT)
+    blocks_per_split = WIDE_BLOCKS_PER_SPLIT if tokens * kv_heads >= WIDE_ROWS else BLOCKS_PER_SPLIT
+    num_splits = -(-block_tables.shape[1] // blocks_per_split)
     out_partial = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=q.device)
     if q.stride(-1) != 1:
@@ -181,7 +188,7 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
+        BLOCKS_PER_SPLIT=blocks_per_split, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
         IEEE=q.dtype == torch.float32,
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
@@ -191,5 +198,5 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), SPLIT_TOKENS=BLOCKS_PER_SPLIT * block_size)
+        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), SPLIT_TOKENS=blocks_per_split * block_size)
     return out
