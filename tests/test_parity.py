@@ -112,18 +112,21 @@ def test_whole_prompt_steps_without_the_mask_match_transformers(checkpoints, ref
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
-def test_decode_tokens_beside_whole_prompts_match_transformers(checkpoints, references, name):
-    """The GPU's path for a step that admits whole prompts while others decode (the decode kernel for the decode
-    tokens, causal SDPA over each prompt's own keys, no dense mask), forced on here: the kernel runs in Triton's
-    interpreter. Requests arrive while others decode, so such steps occur."""
+@pytest.mark.parametrize("token_budget", [512, 24])  # 24: prompts split into chunks after cached tokens
+def test_steps_mixing_decodes_prompts_and_chunks_match_transformers(checkpoints, references, name, token_budget):
+    """The GPU's path for a step that admits prompts while others decode (the decode kernel for the decode
+    tokens, causal SDPA over each whole prompt's own keys, masked SDPA over each later chunk's own blocks; no
+    mask over the whole step), forced on here: the kernel runs in Triton's interpreter. Requests arrive while
+    others decode, so such steps occur."""
     pytest.importorskip("triton")
     prompts = prompt_set()
-    llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], block_size=16, max_num_batched_tokens=512)
+    llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], block_size=16,
+              max_num_batched_tokens=token_budget)
     engine = llm.engine
     engine.runner.decode_kernel = engine.runner.fresh_causal_path = True
-    split_steps = []
+    metas = []
     original = engine.runner.attention_metadata
-    engine.runner.attention_metadata = lambda *a, **k: split_steps.append(original(*a, **k)) or split_steps[-1]
+    engine.runner.attention_metadata = lambda *a, **k: metas.append(original(*a, **k)) or metas[-1]
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     requests = []
     for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):  # each arrives beside decoding ones
@@ -131,6 +134,9 @@ def test_decode_tokens_beside_whole_prompts_match_transformers(checkpoints, refe
         engine.step()
         engine.step()
     engine.run_until_done()
-    assert sum(meta.split is not None for meta in split_steps) >= 2
+    mixed = [m.split for m in metas if m.split is not None]
+    assert sum(s.decode_rows is not None and s.prompt_rows is not None for s in mixed) >= 1
+    if token_budget < 33:
+        assert sum(s.chunk_rows is not None for s in mixed) >= 2
     for i, (request, (ref_tokens, _)) in enumerate(zip(requests, references[name])):
         assert request.output_token_ids == ref_tokens, f"prompt {i}"

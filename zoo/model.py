@@ -46,24 +46,30 @@ class AttentionMetadata:
     has_tree: bool = False
     use_decode_kernel: bool = False
     fresh_causal: bool = False  # whole prompts only: causal attention over the step's own keys, no mask
-    split: "DecodeAndPrompts | None" = None  # decode tokens beside whole prompts: two kernels, no mask
+    split: "MixedStep | None" = None  # decode tokens, whole prompts and chunks apart: no mask over all of them
 
 
 @dataclass
-class DecodeAndPrompts:
-    """A step of decode tokens and whole prompts (continuous batching admitting requests): the decode kernel
-    for the first, causal SDPA over each prompt's own keys for the second; neither needs the dense mask, which
-    pads every decode token to the longest prompt."""
+class MixedStep:
+    """A step mixing kinds of sequences (continuous batching admitting requests while others decode), attended
+    group by group: decode tokens by the decode kernel, whole prompts by causal SDPA over their own keys, and
+    chunks after cached tokens by SDPA over their own blocks with a mask of their own. One dense mask over the
+    whole step would pad every decode token to the longest chunk and every sequence to the widest table."""
 
-    decode_rows: torch.Tensor  # [Td] token rows of the decode tokens
-    decode_seq: torch.Tensor  # [Td] their sequences (rows of block_tables)
-    decode_cache_index: torch.Tensor  # [Td] their cache indices
-    prompt_rows: torch.Tensor  # [Tp] token rows of the prompts' tokens
-    prompt_slots: torch.Tensor  # [Tp] their cache slots
-    prompt_seq: torch.Tensor  # [Tp] which prompt, 0..num_prompts-1
-    prompt_query_index: torch.Tensor  # [Tp] index in its prompt
+    decode_rows: torch.Tensor | None  # [Td] token rows of the decode tokens
+    decode_seq: torch.Tensor | None  # [Td] their sequences (rows of block_tables)
+    decode_cache_index: torch.Tensor | None  # [Td] their cache indices
+    prompt_rows: torch.Tensor | None  # [Tp] token rows of the whole prompts
+    prompt_slots: torch.Tensor | None  # [Tp] their cache slots
+    prompt_seq: torch.Tensor | None  # [Tp] which prompt, 0..num_prompts-1
+    prompt_query_index: torch.Tensor | None  # [Tp] index in its prompt
     num_prompts: int
     longest_prompt: int
+    chunk_rows: torch.Tensor | None  # [Tc] token rows of the chunks
+    chunk_seq: torch.Tensor | None  # [Tc] which chunk, 0..chunks-1
+    chunk_query_index: torch.Tensor | None  # [Tc] index in its chunk
+    chunk_tables: torch.Tensor | None  # [chunks, blocks] their block tables
+    chunk_mask: torch.Tensor | None  # [chunks, 1, longest chunk, blocks * block_size]
 
 
 @dataclass
@@ -181,9 +187,7 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
 
     q: [T, H, D]; kv_cache: [2, blocks, block_size, Hkv, D].
     """
-    head_dim = q.shape[2]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    num_kv_heads = key_cache.shape[2]
     if meta.use_decode_kernel:
         from zoo.triton_attention import paged_decode_attention
 
@@ -194,29 +198,47 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
         return causal_over_own_keys(q, key_cache, value_cache, meta.slot_mapping, meta.token_seq,
                                     meta.token_query_index, meta.block_tables.shape[0], meta.max_query_len, scale)
     if meta.split is not None:
+        return mixed_step_attention(q, key_cache, value_cache, meta, scale)
+    return masked_attention(q, key_cache, value_cache, meta.block_tables, meta.mask, meta.token_seq,
+                            meta.token_query_index, meta.max_query_len, scale)
+
+
+def masked_attention(q, key_cache, value_cache, block_tables, mask, seq, query_index, longest: int,
+                     scale: float) -> torch.Tensor:
+    """SDPA over the sequences' gathered cache blocks with a dense mask ``[B, 1, longest, keys]``; each row of
+    ``q`` is query ``query_index`` of sequence ``seq``."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    keys = key_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    values = value_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    if longest == 1:  # pure decode: token i is sequence i, no padding needed
+        queries = q[:, None]
+    else:
+        queries = q.new_zeros(block_tables.shape[0], longest, q.shape[1], head_dim)
+        queries[seq, query_index] = q
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads,
+    ).transpose(1, 2)
+    return out[:, 0] if longest == 1 else out[seq, query_index]
+
+
+def mixed_step_attention(q, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    split, out = meta.split, torch.empty_like(q)
+    if split.decode_rows is not None:
         from zoo.triton_attention import paged_decode_attention
 
-        split, out = meta.split, torch.empty_like(q)
         out[split.decode_rows] = paged_decode_attention(
             q[split.decode_rows], key_cache, value_cache, meta.block_tables, meta.context_lens, split.decode_seq,
             split.decode_cache_index, meta.draft_start, None, scale, False)
+    if split.prompt_rows is not None:
         out[split.prompt_rows] = causal_over_own_keys(
             q[split.prompt_rows], key_cache, value_cache, split.prompt_slots, split.prompt_seq,
             split.prompt_query_index, split.num_prompts, split.longest_prompt, scale)
-        return out
-    keys = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-    values = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    num_seqs = meta.block_tables.shape[0]
-    if meta.max_query_len == 1:  # pure decode: token i is sequence i, no padding needed
-        queries = q[:, None]
-    else:
-        queries = q.new_zeros(num_seqs, meta.max_query_len, q.shape[1], head_dim)
-        queries[meta.token_seq, meta.token_query_index] = q
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
-        enable_gqa=q.shape[1] != num_kv_heads,
-    ).transpose(1, 2)
-    return out[:, 0] if meta.max_query_len == 1 else out[meta.token_seq, meta.token_query_index]
+    if split.chunk_rows is not None:
+        out[split.chunk_rows] = masked_attention(
+            q[split.chunk_rows], key_cache, value_cache, split.chunk_tables, split.chunk_mask, split.chunk_seq,
+            split.chunk_query_index, split.chunk_mask.shape[2], scale)
+    return out
 
 
 WHOLE_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -19,7 +19,7 @@ from zoo.cuda_graphs import DecodeGraphs
 from zoo.description import ModelDescription
 from zoo.forward_context import ForwardContext, forward_context
 from zoo.kv_cache import KVCache
-from zoo.model import AttentionMetadata, DecodeAndPrompts, DecoderModel
+from zoo.model import AttentionMetadata, DecoderModel, MixedStep
 from zoo.request import Request
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
@@ -120,8 +120,8 @@ class ModelRunner:
                           layout.logits_indices, graph=graph)
         if graph is None:
             fresh = layout.fresh_causal and self.fresh_causal_path and not self.description.sliding_window
-            split = (not fresh and self.decode_kernel and self.fresh_causal_path and layout.decode_or_prompt
-                     and layout.decode_rows and layout.prompt_spans)
+            split = (not fresh and self.decode_kernel and self.fresh_causal_path and layout.splittable
+                     and not self.description.sliding_window)
             batch.attention = self.attention_metadata(batch.num_tokens, len(scheduled), max_query, num_blocks,
                                                       layout.has_drafts, fresh_causal=fresh,
                                                       split=layout if split else None)
@@ -166,9 +166,9 @@ class ModelRunner:
             use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
         fresh_causal = fresh_causal and not use_kernel
         buf = self.buffers
-        decode_and_prompts = None if use_kernel or fresh_causal or split is None else self._decode_and_prompts(split)
+        mixed = None if use_kernel or fresh_causal or split is None else self._mixed_step(split)
         visible = buf["draft_visible"][:num_tokens] if has_drafts else None
-        mask = (None if use_kernel or fresh_causal or decode_and_prompts
+        mask = (None if use_kernel or fresh_causal or mixed
                 else self._dense_mask(num_tokens, num_seqs, max_query, num_blocks, visible))
         return AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:num_tokens],
@@ -184,25 +184,46 @@ class ModelRunner:
             has_tree=has_drafts,
             use_decode_kernel=use_kernel,
             fresh_causal=fresh_causal,
-            split=decode_and_prompts,
+            split=mixed,
         )
 
-    def _decode_and_prompts(self, layout: StepLayout) -> DecodeAndPrompts:
-        rows, seq, index = [], [], []
-        for k, (first, length) in enumerate(layout.prompt_spans):
-            rows += range(first, first + length)
-            seq += [k] * length
-            index += range(length)
+    def _mixed_step(self, layout: StepLayout) -> MixedStep:
+        """The step's sequences by kind (see :class:`zoo.model.MixedStep`), from the buffers already written."""
         buf, device = self.buffers, self.device
-        decode_rows = int64_tensor(layout.decode_rows).to(device, non_blocking=True)
-        prompt_rows = int64_tensor(rows).to(device, non_blocking=True)
-        return DecodeAndPrompts(
-            decode_rows=decode_rows, decode_seq=buf["token_seq"][decode_rows],
-            decode_cache_index=buf["token_cache_index"][decode_rows],
-            prompt_rows=prompt_rows, prompt_slots=buf["slot_mapping"][prompt_rows],
-            prompt_seq=int64_tensor(seq).to(device, non_blocking=True),
-            prompt_query_index=int64_tensor(index).to(device, non_blocking=True),
-            num_prompts=len(layout.prompt_spans), longest_prompt=max(n for _, n in layout.prompt_spans))
+
+        def on_device(values):
+            return int64_tensor(values).to(device, non_blocking=True) if values else None
+
+        def spans(lengths):  # each span's rows: which span, index in it
+            seq, index = [], []
+            for k, n in enumerate(lengths):
+                seq += [k] * n
+                index += range(n)
+            return on_device(seq), on_device(index)
+
+        decode_rows = on_device(layout.decode_rows)
+        prompt_rows = on_device([r for first, n in layout.prompt_spans for r in range(first, first + n)])
+        prompt_seq, prompt_index = spans([n for _, n in layout.prompt_spans])
+        chunk_rows = on_device([r for _, first, n in layout.chunk_spans for r in range(first, first + n)])
+        chunk_seq, chunk_index = spans([n for _, _, n in layout.chunk_spans])
+        chunk_tables = chunk_mask = None
+        if layout.chunk_spans:
+            seqs = on_device([b for b, _, _ in layout.chunk_spans])
+            longest = max(n for _, _, n in layout.chunk_spans)
+            num_blocks = max(-(-layout.context_lens[b] // self.block_size) for b, _, _ in layout.chunk_spans)
+            chunk_tables = buf["block_tables"][seqs, :num_blocks]
+            key_index = torch.arange(num_blocks * self.block_size, device=device)
+            chunk_mask = ((key_index <= buf["query_cache_index"][seqs, :longest, None])
+                          & (key_index < buf["context_lens"][seqs, None, None]))[:, None]
+        return MixedStep(
+            decode_rows=decode_rows,
+            decode_seq=None if decode_rows is None else buf["token_seq"][decode_rows],
+            decode_cache_index=None if decode_rows is None else buf["token_cache_index"][decode_rows],
+            prompt_rows=prompt_rows, prompt_slots=None if prompt_rows is None else buf["slot_mapping"][prompt_rows],
+            prompt_seq=prompt_seq, prompt_query_index=prompt_index, num_prompts=len(layout.prompt_spans),
+            longest_prompt=max((n for _, n in layout.prompt_spans), default=0),
+            chunk_rows=chunk_rows, chunk_seq=chunk_seq, chunk_query_index=chunk_index, chunk_tables=chunk_tables,
+            chunk_mask=chunk_mask)
 
     def _dense_mask(self, num_tokens, num_seqs, max_query, num_blocks, visible) -> torch.Tensor:
         """``[B, 1, Q, keys]``: causal by cache index, windowed, and ancestors only inside a draft block."""

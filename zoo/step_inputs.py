@@ -55,11 +55,13 @@ class StepLayout:
         self.has_drafts = False
         # Every sequence's queries are its whole context so far, causal: attention needs no cache or mask.
         self.fresh_causal = True
-        # Each sequence is either one decode token (its row in decode_rows) or a whole prompt ((first row,
-        # length) in prompt_spans): attention splits into the decode kernel and causal SDPA, with no mask.
-        self.decode_or_prompt = True
+        # Without drafts or bidirectional prefixes, attention can split by kind of sequence: one decode token
+        # (its row in decode_rows), a whole prompt ((first row, length) in prompt_spans) or a chunk after cached
+        # tokens ((sequence, first row, length) in chunk_spans); see zoo.model.MixedStep.
+        self.splittable = True
         self.decode_rows: list[int] = []
         self.prompt_spans: list[tuple[int, int]] = []
+        self.chunk_spans: list[tuple[int, int, int]] = []
 
     def add_decode_token(self, b: int, entry: ScheduledRequest) -> None:
         """The common case at large batch (one committed token, no drafts, default positions), unrolled."""
@@ -86,12 +88,14 @@ class StepLayout:
         self.fresh_causal = (self.fresh_causal and entry.start == 0 and draft is None
                              and request.bidirectional_prefix <= 1)
         first_row, first_draft = len(self.input_ids), entry.start + entry.num_tokens
-        if draft is None and entry.start == 0 and request.bidirectional_prefix <= 1:
+        if draft is not None or request.bidirectional_prefix > 1:
+            self.splittable = False
+        elif entry.start == 0:
             self.prompt_spans.append((first_row, entry.num_tokens))
-        elif draft is None and entry.num_tokens == 1 and entry.start >= request.bidirectional_prefix:
+        elif entry.num_tokens == 1:
             self.decode_rows.append(first_row)
         else:
-            self.decode_or_prompt = False
+            self.chunk_spans.append((b, first_row, entry.num_tokens))
         self.offsets.append(first_row)
         cache_index = list(range(entry.start, first_draft))
         tokens = request.token_slice(entry.start, first_draft)
@@ -134,7 +138,7 @@ class StepLayout:
         """
         first, used = self.offsets[-1], len(self.input_ids) - self.offsets[-1]
         n = stride - used
-        self.fresh_causal = self.decode_or_prompt = False
+        self.fresh_causal = self.splittable = False
         self.input_ids += [0] * n
         for row in self.positions:
             row += [0] * n
