@@ -54,6 +54,7 @@ def assert_one_line(proc, message):
     ("+promt=hi", "promt: no such setting (did you mean prompt?)"),
     ("output.format=xml", "output.format='xml': must be one of text, jsonl"),
     ("output.progress=sometimes", "output.progress='sometimes': must be one of auto, on, off"),
+    ("output.stream=true", "output.stream=true writes JSONL token events: it needs output.format=jsonl"),
     ("plugins.disable=[lookahed]", "plugins.disable names 'lookahed', which is no installed plugin (did you mean "
                                    "lookahead?)"),
     ("input.file=/no/such/file.jsonl", "cannot read input.file=/no/such/file.jsonl: No such file or directory"),
@@ -119,6 +120,38 @@ def test_a_stopped_run_keeps_its_records_and_resumes_each_once(tmp_path, signame
     assert f"resuming: {written} of {total} requests are already in {out}" in resumed.stderr
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == list(range(1, total + 1))  # every record exactly once
+
+
+def test_streamed_token_events_concatenate_to_each_record(tmp_path):
+    """output.stream=true: each request's token lines come before its record, in order, and their tokens and
+    text concatenate to the record's; a stop string is never shown before it is cut; resume skips only
+    requests with a record."""
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps({"prompt": f"def f{i}(", "max_new_tokens": 6 + 3 * i}) for i in range(4)]
+    lines.append(json.dumps({"prompt": "import os", "max_new_tokens": 12, "stop": ["e"]}))
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = zoo_run(f"input.file={path}", f"output.file={out}", "output.format=jsonl", "output.stream=true",
+                   "runtime.max_num_seqs=3", cwd=tmp_path)  # 3 at a time: a request joins as another ends
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    records = {r["id"]: r for r in rows if "event" not in r}
+    assert sorted(records) == [1, 2, 3, 4, 5]
+    first_record_row = {r["id"]: i for i, r in reversed(list(enumerate(rows))) if "event" not in r}
+    for rid, record in records.items():
+        events = [(i, r) for i, r in enumerate(rows) if r.get("event") == "token" and r["id"] == rid]
+        assert events and all(i < first_record_row[rid] for i, _ in events)
+        assert [t for _, e in events for t in e["token_ids"]] == record["token_ids"]
+        assert "".join(e["text"] for _, e in events) == record["text"]
+    assert records[5]["finish_reason"] in ("stop", "length") and "e" not in records[5]["text"]
+    interleaved = [r["id"] for r in rows if r.get("event") == "token"]
+    assert interleaved != sorted(interleaved)  # a batch: requests' events interleave
+    # a run stopped after request 1's events but before its record: resume runs it again
+    out.write_text("\n".join(json.dumps(r) for r in rows if r["id"] != 1) + "\n"
+                   + json.dumps({"id": 1, "event": "token", "token_ids": [5], "text": "x"}) + "\n")
+    resumed = zoo_run(f"input.file={path}", f"output.file={out}", "output.format=jsonl", "input.resume=true",
+                      cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming: 4 of 5 requests" in resumed.stderr, resumed.stderr
 
 
 def test_resume_drops_a_record_cut_short(tmp_path):

@@ -54,6 +54,31 @@ def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
                 if stop.startswith(text[-k:])), default=0)
 
 
+class TextDeltas:
+    """The text each step adds to each request, so that a request's deltas concatenate to its final text:
+    an incomplete multi-byte character, and what may be the start of a stop string (cut later), are held back
+    until they are settled."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.sent: dict[int, int] = {}  # request id -> characters already given
+
+    def delta(self, request: Request, final_text: str | None = None) -> str:
+        """``final_text``: the request's text once it is finished (everything left is given)."""
+        if final_text is not None:
+            text = final_text
+        else:
+            text = self.tokenizer.decode(request.output_token_ids)
+            if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+                text = text[:self.sent.get(request.request_id, 0)]
+            text = text[:len(text) - _stop_prefix_overlap(text, request.params.stop)]
+        delta = text[self.sent.get(request.request_id, 0):]
+        self.sent[request.request_id] = len(text)
+        if final_text is not None:
+            del self.sent[request.request_id]
+        return delta
+
+
 class LLM:
     """Generate with zoo from Python.
 
@@ -145,16 +170,10 @@ class LLM:
         for i, r in enumerate(requests):
             if r.is_finished:  # rejected up front
                 yield TokenEvent(i, [], True, r.finish_reason, self.output_of(r))
-        sent: dict[int, int] = {}  # characters of each request's text already yielded
+        deltas = TextDeltas(self.tokenizer)
         while self.engine.has_work():
             for request, tokens in self.engine.step():
                 done = request.is_finished
                 output = self.output_of(request) if done else None
-                text = output.text if done else self.tokenizer.decode(request.output_token_ids)
-                if not done and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-                    text = text[:sent.get(request.request_id, 0)]
-                if not done:  # hold back what may be the start of a stop string: it would be cut later
-                    text = text[:len(text) - _stop_prefix_overlap(text, request.params.stop)]
-                delta = text[sent.get(request.request_id, 0):]
-                sent[request.request_id] = len(text)
+                delta = deltas.delta(request, output.text if done else None)
                 yield TokenEvent(index[request.request_id], tokens, done, request.finish_reason, output, delta)

@@ -87,7 +87,9 @@ def done_ids(path: Path) -> set:
     ids = set()
     for line in complete.splitlines():
         try:
-            ids.add(json.dumps(json.loads(line)["id"]))
+            record = json.loads(line)
+            if "event" not in record:  # output.stream's token lines: the request is done only at its record
+                ids.add(json.dumps(record["id"]))
         except (ValueError, KeyError, TypeError):
             raise ZooError(f"input.resume: {path} holds a line that is not a zoo JSONL record; resume needs "
                            "output.format=jsonl output") from None
@@ -119,6 +121,12 @@ class Writer:
         self.stream.flush()
         self.written += 1
         self.failed += out.finish_reason == "error"
+
+    def write_event(self, output_id, token_ids: list[int], text: str) -> None:
+        """``output.stream``: one request's new tokens of one step (the record follows when it finishes)."""
+        self.stream.write(json.dumps({"id": output_id, "event": "token", "token_ids": token_ids, "text": text})
+                          + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
         if self.stream is not sys.stdout:
@@ -184,9 +192,11 @@ def run(cfg: DictConfig) -> int:
         check_settings(cfg, run=True)
         if cfg.input.resume and not cfg.output.file:
             raise ZooError("input.resume=true needs output.file (the records to continue from)")
+        if cfg.output.stream and cfg.output.format != "jsonl":
+            raise ZooError("output.stream=true writes JSONL token events: it needs output.format=jsonl")
         records = read_requests(cfg)  # before the model loads: a bad input costs no loading time
         skip = done_ids(Path(cfg.output.file)) if cfg.input.resume else set()
-        from zoo.llm import LLM
+        from zoo.llm import LLM, TextDeltas
 
         llm = LLM(config=cfg)
     except ZooError as exc:
@@ -220,9 +230,16 @@ def run(cfg: DictConfig) -> int:
                 progress.update(1, engine.stats.generated_tokens)
             else:
                 pending[request.request_id] = request
+        deltas = TextDeltas(llm.tokenizer) if cfg.output.stream else None
         while pending:
             # A request finishes in the step that gives its last token; once the engine is idle, any left.
-            advanced = [r for r, _ in engine.step()] if engine.has_work() else list(pending.values())
+            stepped = engine.step() if engine.has_work() else [(r, []) for r in pending.values()]
+            advanced = [r for r, _ in stepped]
+            if deltas is not None:
+                for request, tokens in stepped:
+                    if request.request_id in pending and tokens and not request.error:
+                        final = llm.output_of(request).text if request.is_finished else None
+                        writer.write_event(request.output_id, tokens, deltas.delta(request, final))
             finished = [r for r in advanced if r.is_finished and r.request_id in pending]
             for request in finished:
                 del pending[request.request_id]

@@ -89,6 +89,7 @@ RUN = {  # zoo.run's own keys
     "output.format": Setting(str, choices=("text", "jsonl")),
     "output.file": Setting(str, optional=True),
     "output.progress": Setting(str, choices=("auto", "on", "off")),
+    "output.stream": Setting(bool),
     "output.sweep_table": Setting(str, optional=True),
 }
 # Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
