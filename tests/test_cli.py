@@ -246,3 +246,18 @@ def test_help_lists_every_checked_setting_with_its_value(tmp_path):
     for key in [f"runtime.{k}" for k in RUNTIME] + list(RUN):
         assert f"  {key} " in proc.stdout, key
     assert "runtime.max_num_seqs            = 8           an integer >= 1" in proc.stdout
+
+
+def test_n_samples_in_a_record_and_in_streamed_events(tmp_path):
+    proc = zoo_run("prompt=def f(", "sampling.n=3", "sampling.temperature=0.8", "sampling.seed=4",
+                   "sampling.max_new_tokens=5", "sampling.ignore_eos=true", "output.format=jsonl",
+                   "output.stream=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    record = rows[-1]
+    assert "event" not in record and [s["index"] for s in record["samples"]] == [0, 1, 2]
+    assert record["token_ids"] == record["samples"][0]["token_ids"]
+    for sample in record["samples"]:
+        events = [r for r in rows[:-1] if r["sample"] == sample["index"]]
+        assert [t for e in events for t in e["token_ids"]] == sample["token_ids"] and len(sample["token_ids"]) == 5
+        assert "".join(e["text"] for e in events) == sample["text"]

@@ -99,6 +99,7 @@ class Engine:
         self.overlap_steps = bool(runtime["overlap_steps"])
         self.step_result_hooks = bool(self.hooks.zoo_step_results.get_hookimpls())
         self.inflight: InFlight | None = None
+        self.held_samples: dict[int, list[Request]] = {}  # first sample's id -> the samples waiting for its prompt
         self.overlapped_steps = 0
         self.advanced_in_place = 0  # overlapped steps whose inputs the device advanced from the step before
         self._token_buffers = ([torch.empty(int(runtime["max_num_seqs"]), dtype=torch.int64, pin_memory=True)
@@ -145,9 +146,11 @@ class Engine:
         return self.intake.reject(message, output_id=output_id)
 
     def has_work(self) -> bool:
-        return self.inflight is not None or self.scheduler.has_work()
+        return self.inflight is not None or self.scheduler.has_work() or bool(self.held_samples)
 
     def finish(self, request: Request) -> None:
+        if request.request_id in self.held_samples:  # ended before its first token: its samples go on alone
+            self.intake.release_samples(request)
         self.scheduler.finish(request)
         if not request.output_text:
             request.output_text = self.tokenizer.decode(request.output_token_ids)
@@ -162,6 +165,9 @@ class Engine:
         launches it returns nothing, and each later call launches the next step before committing this one.
         """
         start = time.perf_counter()
+        if self.held_samples and not self.scheduler.has_work() and self.inflight is None:
+            for first in [r for held in self.held_samples.values() for r in held[:1]]:
+                self.intake.release_samples(first.first_sample)  # their first samples ended without a step
         if self.inflight is not None:
             pending = self.inflight
             self.inflight = self._launch_next(pending)
@@ -189,6 +195,10 @@ class Engine:
     def _commit(self, batch, output, start: float, tokens: list[int] | None = None) -> list:
         generated_before = self.stats.generated_tokens
         sequences = self.committer.commit_step(batch, output, tokens)
+        if self.held_samples:
+            for s in sequences:
+                if s.request.request_id in self.held_samples and (s.new_tokens or s.request.is_finished):
+                    self.intake.release_samples(s.request)
         self.hooks.zoo_step_results(results=StepResults(sequences, output))
         prefill = sum(e.num_tokens for e in batch.scheduled if e.num_tokens > 1 or not e.samples)
         self.stats.record_step(prefill, self.stats.generated_tokens - generated_before, time.perf_counter() - start,

@@ -38,6 +38,28 @@ class RequestIntake:
 
     def add(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
             extras: dict, source_dir=None) -> Request:
+        """The request, queued; with ``params.n`` > 1 the first of its samples, which lists them all. The
+        others go through every check and hook as requests of their own, but wait until the first has computed
+        the prompt: they then take its blocks from the prefix cache instead of computing them again."""
+        request = self._add_one(prompt, prompt_token_ids, params, extras, source_dir, queue=True)
+        if params.n == 1 or request.is_finished:
+            return request
+        request.samples = [request]
+        for index in range(1, params.n):
+            sample = self._add_one(prompt, prompt_token_ids, params, extras, source_dir, queue=False)
+            sample.first_sample, sample.sample_index = request, index
+            request.samples.append(sample)
+            if not sample.is_finished:
+                self.engine.held_samples.setdefault(request.request_id, []).append(sample)
+        return request
+
+    def release_samples(self, request: Request) -> None:
+        """Queue the samples held for ``request``, once its prompt's blocks are computed (or it ended)."""
+        for sample in self.engine.held_samples.pop(request.request_id, []):
+            sample.arrival_time = time.perf_counter()
+            self.engine.scheduler.add(sample)
+
+    def _add_one(self, prompt, prompt_token_ids, params, extras, source_dir, queue: bool) -> Request:
         request = self._new(params, prompt=prompt, extras=dict(extras), source_dir=source_dir)
         try:
             self._check_fields(request)
@@ -54,7 +76,8 @@ class RequestIntake:
             return request
         request.arrival_time = time.perf_counter()
         self.engine.stats.prompt_tokens += len(request.prompt_token_ids)
-        self.engine.scheduler.add(request)
+        if queue:
+            self.engine.scheduler.add(request)
         return request
 
     def _check_fields(self, request: Request) -> None:

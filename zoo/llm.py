@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from zoo.config import compose_config, to_plain
@@ -25,6 +25,8 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[dict] | None = None
     num_steps: int = 0  # forward passes that produced these tokens (fewer than tokens when drafts are accepted)
+    # With sampling n > 1: every completion, in order (the fields above are the first one's).
+    samples: list["SampleOutput"] | None = None
 
     def to_json(self) -> dict:
         record = {"id": self.id, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
@@ -33,7 +35,21 @@ class RequestOutput:
             record["error"] = self.error
         if self.logprobs is not None:
             record["logprobs"] = self.logprobs
+        if self.samples is not None:
+            record["samples"] = [asdict(sample) for sample in self.samples]
         return record
+
+
+@dataclass
+class SampleOutput:
+    """One of a prompt's ``n`` completions."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -42,10 +58,11 @@ class TokenEvent:
 
     index: int  # position of the request in the input list
     token_ids: list[int]
-    finished: bool
+    finished: bool  # this sample ended
     finish_reason: str | None = None
-    output: RequestOutput | None = field(default=None, repr=False)  # set when finished
+    output: RequestOutput | None = field(default=None, repr=False)  # set when the request (all samples) ended
     text: str = ""  # the text these tokens add (held back while a character is still incomplete)
+    sample: int = 0  # which of the request's n completions
 
 
 def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
@@ -144,18 +161,32 @@ class LLM:
         request.output_id = rid
         return request
 
+    def text_of(self, request: Request) -> str:
+        return request.output_text or (self.tokenizer.decode(request.output_token_ids)
+                                       if request.output_token_ids else "")
+
     def output_of(self, request: Request) -> RequestOutput:
-        text = request.output_text or (self.tokenizer.decode(request.output_token_ids) if request.output_token_ids else "")
+        request = request.group
+        samples = None
+        if request.samples:
+            samples = [SampleOutput(r.sample_index, list(r.output_token_ids), self.text_of(r),
+                                    r.finish_reason or "length", r.error, self._logprobs(r))
+                       for r in request.samples]
         return RequestOutput(
             id=request.output_id,
             prompt_token_ids=request.input_token_ids or request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            text=text,
+            text=self.text_of(request),
             finish_reason=request.finish_reason or "length",
             error=request.error,
-            logprobs=request.output_logprobs if request.params.logprobs is not None and not request.error else None,
+            logprobs=self._logprobs(request),
             num_steps=request.num_steps,
+            samples=samples,
         )
+
+    @staticmethod
+    def _logprobs(request: Request) -> list[dict] | None:
+        return request.output_logprobs if request.params.logprobs is not None and not request.error else None
 
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
         """Run ``prompts`` (text, token-id lists or request dicts) to completion; outputs in input order."""
@@ -174,6 +205,7 @@ class LLM:
         while self.engine.has_work():
             for request, tokens in self.engine.step():
                 done = request.is_finished
-                output = self.output_of(request) if done else None
-                delta = deltas.delta(request, output.text if done else None)
-                yield TokenEvent(index[request.request_id], tokens, done, request.finish_reason, output, delta)
+                output = self.output_of(request) if request.group_finished else None
+                delta = deltas.delta(request, self.text_of(request) if done else None)
+                yield TokenEvent(index[request.group.request_id], tokens, done, request.finish_reason, output, delta,
+                                 request.sample_index)

@@ -53,6 +53,20 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     num_steps: int = 0  # forward passes that produced this request's generated tokens
+    # Parallel samples (``params.n`` > 1): the first request is the group's; it lists every sample, itself
+    # first, and each later sample names it and its index. See RequestIntake.add.
+    samples: list["Request"] = field(default_factory=list)
+    first_sample: "Request | None" = None
+    sample_index: int = 0
+
+    @property
+    def group(self) -> "Request":
+        """The request a caller holds for this one: the first sample of its group, or itself."""
+        return self.first_sample or self
+
+    @property
+    def group_finished(self) -> bool:
+        return all(r.is_finished for r in self.group.samples) if self.group.samples else self.is_finished
 
     @property
     def token_ids(self) -> list[int]:

@@ -122,10 +122,13 @@ class Writer:
         self.written += 1
         self.failed += out.finish_reason == "error"
 
-    def write_event(self, output_id, token_ids: list[int], text: str) -> None:
-        """``output.stream``: one request's new tokens of one step (the record follows when it finishes)."""
-        self.stream.write(json.dumps({"id": output_id, "event": "token", "token_ids": token_ids, "text": text})
-                          + "\n")
+    def write_event(self, output_id, token_ids: list[int], text: str, sample: int | None) -> None:
+        """``output.stream``: one request's new tokens of one step (the record follows when it finishes);
+        ``sample``: which completion, for a request with sampling n > 1."""
+        event = {"id": output_id, "event": "token", "token_ids": token_ids, "text": text}
+        if sample is not None:
+            event["sample"] = sample
+        self.stream.write(json.dumps(event) + "\n")
         self.stream.flush()
 
     def close(self) -> None:
@@ -237,10 +240,12 @@ def run(cfg: DictConfig) -> int:
             advanced = [r for r, _ in stepped]
             if deltas is not None:
                 for request, tokens in stepped:
-                    if request.request_id in pending and tokens and not request.error:
-                        final = llm.output_of(request).text if request.is_finished else None
-                        writer.write_event(request.output_id, tokens, deltas.delta(request, final))
-            finished = [r for r in advanced if r.is_finished and r.request_id in pending]
+                    if request.group.request_id in pending and tokens and not request.error:
+                        final = llm.text_of(request) if request.is_finished else None
+                        writer.write_event(request.group.output_id, tokens, deltas.delta(request, final),
+                                           request.sample_index if request.group.samples else None)
+            groups = {r.group.request_id: r.group for r in advanced}.values()
+            finished = [r for r in groups if r.group_finished and r.request_id in pending]
             for request in finished:
                 del pending[request.request_id]
                 writer.write(llm.output_of(request))

@@ -33,7 +33,9 @@ class Sampler:
             return self.shared_generator
         if request.generator is None:
             request.generator = torch.Generator(device=self.device)
-            request.generator.manual_seed(request.params.seed)
+            # Sample k of a request with n > 1 draws its own stream, fixed by (seed, k) alone.
+            request.generator.manual_seed(request.params.seed if not request.sample_index
+                                          else hash((request.params.seed, request.sample_index)) % 2**63)
         return request.generator
 
     def stop_ids(self, request: Request) -> set[int]:

@@ -24,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
     logit_bias: dict[int, float] = field(default_factory=dict)
+    n: int = 1  # completions of the prompt (samples sharing its cached blocks)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "SamplingParams":
@@ -78,6 +79,7 @@ class SamplingParams:
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              f"logprobs={self.logprobs!r} must be an integer in [0, 20]")
         need(all(is_num(v) for v in self.logit_bias.values()), "logit_bias values must be finite numbers")
+        need(is_int(self.n) and 1 <= self.n <= 256, f"n={self.n!r} must be an integer in [1, 256]")
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
                 bad = [t for t in ids if not 0 <= t < vocab_size]
