@@ -73,7 +73,7 @@ class BlockManager:
         finishes the prompt has logits to sample from.
         """
         assert not request.block_ids
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.params.wants_prompt_logits:
             return
         tokens = request.token_ids
         parent = self._root_hash(request)

@@ -44,6 +44,10 @@ class Committer:
             else:
                 rows, argmax = output.logits[row_ids], None
             chosen = dict(zip(plain, self.sampler.select(rows, requests, TokenHistories(requests), argmax)))
+        if any(batch.prompt_logits_rows):
+            for entry, rows in zip(batch.scheduled, batch.prompt_logits_rows):
+                if rows:
+                    self._record_prompt_logits(entry, output.logits, rows)
         self.greedy = self._greedy_draft_rows(batch, output)
         self.moves = ([], [])  # accepted drafts' K/V, (from, to) cache slots: one copy for the whole step
         results = [self._advance(entry, offset, output.logits, rows, chosen.get(i))
@@ -51,6 +55,26 @@ class Committer:
                                                                   batch.logits_rows))]
         self.engine.runner.kv.move_slots(*self.moves)
         return results
+
+    def _record_prompt_logits(self, entry: ScheduledRequest, logits: torch.Tensor, rows: list[int]) -> None:
+        """The logits at prompt positions ``entry.start ...``: each gives the log-prob of the next prompt token
+        (kept by position, so a prompt computed again after preemption writes the same entries)."""
+        request, params = entry.request, entry.request.params
+        prompt = request.prompt_token_ids
+        values = logits[torch.tensor(rows, device=logits.device)].float()
+        if params.return_logits:
+            if request.context_logits is None:
+                request.context_logits = torch.zeros(len(prompt), values.shape[1])
+            request.context_logits[entry.start:entry.start + len(rows)] = values.cpu()
+        if params.prompt_logprobs is not None:
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None] * len(prompt)
+            vocab = values.shape[1]
+            for k, row in enumerate(values):
+                position = entry.start + k + 1  # the prompt token these logits predict
+                if position < len(prompt) and prompt[position] < vocab:  # not a plugin's virtual token
+                    request.prompt_logprobs[position] = Sampler.logprobs(row, prompt[position],
+                                                                         params.prompt_logprobs)
 
     def _greedy_draft_rows(self, batch: StepBatch, output: StepOutput) -> dict[int, list[int]]:
         """The argmax of every logits row of each drafted plain-greedy request, in one op and one copy."""
@@ -120,6 +144,8 @@ class Committer:
             stats.time_to_first_token.append(request.first_token_time - request.arrival_time)
         if request.params.logprobs is not None:
             request.output_logprobs.append(Sampler.logprobs(logits[row], token, request.params.logprobs))
+        if request.params.return_logits:
+            request.generation_logits.append(logits[row].float().cpu())
         params = request.params
         generated = len(request.output_token_ids)
         if token in stop_ids and generated >= params.min_new_tokens:

@@ -214,6 +214,7 @@ class Engine:
         return (self.overlap_steps and self.decoding is None and not self.step_result_hooks
                 and not self.runner.position_hooks
                 and all(e.num_tokens == 1 and e.samples and e.draft is None and e.request.params.logprobs is None
+                        and not e.request.params.wants_prompt_logits
                         and self.sampler.plain_greedy(e.request) for e in batch.scheduled))
 
     def _in_flight(self, batch, output, unrecorded_s: float) -> InFlight:

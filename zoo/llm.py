@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from zoo.config import compose_config, to_plain
 from zoo.engine import Engine
 from zoo.errors import ZooError
@@ -27,6 +29,9 @@ class RequestOutput:
     num_steps: int = 0  # forward passes that produced these tokens (fewer than tokens when drafts are accepted)
     # With sampling n > 1: every completion, in order (the fields above are the first one's).
     samples: list["SampleOutput"] | None = None
+    prompt_logprobs: list[dict | None] | None = None  # with prompt_logprobs: per prompt token, None for the first
+    context_logits: Any = None  # with return_logits: [prompt tokens, vocab] float32 tensor
+    generation_logits: Any = None  # with return_logits: [generated tokens, vocab] float32 tensor
 
     def to_json(self) -> dict:
         record = {"id": self.id, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
@@ -37,6 +42,11 @@ class RequestOutput:
             record["logprobs"] = self.logprobs
         if self.samples is not None:
             record["samples"] = [asdict(sample) for sample in self.samples]
+        if self.prompt_logprobs is not None:
+            record["prompt_logprobs"] = self.prompt_logprobs
+        if self.context_logits is not None:
+            record["context_logits"] = self.context_logits.tolist()
+            record["generation_logits"] = self.generation_logits.tolist()
         return record
 
 
@@ -182,6 +192,11 @@ class LLM:
             logprobs=self._logprobs(request),
             num_steps=request.num_steps,
             samples=samples,
+            prompt_logprobs=request.prompt_logprobs if not request.error else None,
+            context_logits=request.context_logits if not request.error else None,
+            generation_logits=(torch.stack(request.generation_logits) if request.generation_logits
+                               else torch.zeros(0, self.engine.description.vocab_size))
+            if request.context_logits is not None and not request.error else None,
         )
 
     @staticmethod

@@ -106,8 +106,10 @@ class ModelRunner:
         graph = self.graphs.key_for(scheduled)
         stride = self.graphs.families[graph[0]].stride if graph else 1
         for b, entry in enumerate(scheduled):
+            request = entry.request
             if (stride == 1 and entry.num_tokens == 1 and entry.draft is None and not self.position_hooks
-                    and entry.start >= entry.request.bidirectional_prefix):
+                    and entry.start >= request.bidirectional_prefix
+                    and (entry.start >= len(request.prompt_token_ids) or not request.params.wants_prompt_logits)):
                 layout.add_decode_token(b, entry)
             else:
                 layout.add_entry(b, entry, self._positions)
@@ -117,7 +119,7 @@ class ModelRunner:
             layout.every_row_gives_logits()
         max_query, num_blocks = layout.write(self.buffers, [e.request.block_ids for e in scheduled])
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,
-                          layout.logits_indices, graph=graph)
+                          layout.logits_indices, graph=graph, prompt_logits_rows=layout.prompt_logits_rows)
         if graph is None:
             fresh = layout.fresh_causal and self.fresh_causal_path and not self.description.sliding_window
             split = (not fresh and self.decode_kernel and self.fresh_causal_path and layout.splittable

@@ -31,6 +31,11 @@ class Request:
     source_dir: Path | None = None  # relative file paths in its fields (images) are read from here (None: cwd)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token (None for the first); with params.return_logits:
+    # the logits at each prompt position [prompt, vocab] and of each generated token (CPU float32).
+    prompt_logprobs: list[dict | None] | None = None
+    context_logits: torch.Tensor | None = None
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # of those, how many came from the prefix cache

@@ -25,6 +25,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     logit_bias: dict[int, float] = field(default_factory=dict)
     n: int = 1  # completions of the prompt (samples sharing its cached blocks)
+    prompt_logprobs: int | None = None  # log-prob of each prompt token given those before it, plus the top-n
+    return_logits: bool = False  # the raw logits of every prompt position and of every generated token
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "SamplingParams":
@@ -33,7 +35,7 @@ class SamplingParams:
         unknown = sorted(set(values) - known)
         if unknown:
             raise RequestError(f"unknown sampling key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values = {k: v for k, v in values.items() if v is not None or k in ("seed", "logprobs")}
+        values = {k: v for k, v in values.items() if v is not None or k in ("seed", "logprobs", "prompt_logprobs")}
         if isinstance(values.get("stop"), str):
             values["stop"] = [values["stop"]]
         if "logit_bias" in values:
@@ -44,6 +46,11 @@ class SamplingParams:
         params = cls(**values)
         params.validate()
         return params
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """The prompt's every position needs its logits (its prefix is then computed, not taken from the cache)."""
+        return self.prompt_logprobs is not None or self.return_logits
 
     def merged(self, overrides: dict[str, Any] | None) -> "SamplingParams":
         if not overrides:
@@ -80,6 +87,9 @@ class SamplingParams:
              f"logprobs={self.logprobs!r} must be an integer in [0, 20]")
         need(all(is_num(v) for v in self.logit_bias.values()), "logit_bias values must be finite numbers")
         need(is_int(self.n) and 1 <= self.n <= 256, f"n={self.n!r} must be an integer in [1, 256]")
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs={self.prompt_logprobs!r} must be an integer in [0, 20]")
+        need(isinstance(self.return_logits, bool), f"return_logits={self.return_logits!r} must be true or false")
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
                 bad = [t for t in ids if not 0 <= t < vocab_size]

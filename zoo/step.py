@@ -35,6 +35,8 @@ class StepBatch:
     logits_indices: list[int] = field(default_factory=list)  # token row of each logits row
     attention: AttentionMetadata | None = None  # None when a captured graph runs the step
     graph: tuple | None = None  # the captured (graph family, batch size[, variant]) it replays, or None
+    # per request: logits rows of its prompt positions from its chunk's start (requests asking for them)
+    prompt_logits_rows: list[list[int]] = field(default_factory=list)
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -46,6 +46,9 @@ class StepLayout:
         self.logits_indices: list[int] = []
         self.offsets: list[int] = []
         self.logits_rows: list[list[int]] = []
+        # per request: logits rows of its prompt positions start, start + 1, ... of this step (only requests that
+        # ask for prompt log-probs or logits; the last may also be its sampling row)
+        self.prompt_logits_rows: list[list[int]] = []
         self.visible_rows: list[list[int]] = []  # per sequence: the last cache index each of its tokens sees
         self.index_rows: list[list[int]] = []  # per sequence: each token's index in its sequence (drafts: by depth)
         self.context_lens: list[int] = []
@@ -70,6 +73,7 @@ class StepLayout:
         self.decode_rows.append(len(self.input_ids))
         self.offsets.append(len(self.input_ids))
         self.logits_rows.append([len(self.logits_indices)] if entry.samples else [])
+        self.prompt_logits_rows.append([])
         if entry.samples:
             self.logits_indices.append(len(self.input_ids))
         self.input_ids.append(0 if entry.token_on_device else request.token_at(i))
@@ -113,12 +117,21 @@ class StepLayout:
                     self.draft_visible += [(first_draft_row + i, a) for a in draft.visible(i)]
         for row, values in zip(self.positions, positions_of(request, position_index)):
             row.extend(values)
+        prompt_rows = []
+        if request.params.wants_prompt_logits and entry.start < len(request.prompt_token_ids):
+            # every prompt position of the chunk but the sampling row's gets a logits row of its own
+            last = min(first_draft, len(request.prompt_token_ids)) - (1 if entry.samples else 0)
+            prompt_rows = list(range(len(self.logits_indices), len(self.logits_indices) + last - entry.start))
+            self.logits_indices += range(first_row, first_row + last - entry.start)
         if entry.samples:  # the last committed token and every draft token give logits
             rows = range(first_row + entry.num_tokens - 1, first_row + len(tokens))
             self.logits_rows.append(list(range(len(self.logits_indices), len(self.logits_indices) + len(rows))))
             self.logits_indices += rows
+            if request.params.wants_prompt_logits and first_draft == len(request.prompt_token_ids):
+                prompt_rows.append(self.logits_rows[-1][0])
         else:
             self.logits_rows.append([])
+        self.prompt_logits_rows.append(prompt_rows)
         bs = self.block_size
         self.input_ids += tokens
         self.slots += [request.block_ids[i // bs] * bs + i % bs for i in cache_index]
@@ -151,6 +164,7 @@ class StepLayout:
     def every_row_gives_logits(self) -> None:
         """A graph step computes logits for all its rows: logits rows become token rows."""
         self.logits_rows = [[self.logits_indices[r] for r in rows] for rows in self.logits_rows]
+        self.prompt_logits_rows = [[self.logits_indices[r] for r in rows] for rows in self.prompt_logits_rows]
         self.logits_indices = list(range(len(self.input_ids)))
 
     def write(self, buffers: dict[str, torch.Tensor], block_ids: list[list[int]]) -> tuple[int, int]:
