@@ -152,6 +152,9 @@ class Committer:
             request.finish("stop")
         elif self.token_hooks and any(self.hooks.zoo_token_generated(request=request, token_id=token)):
             request.finish("stop")
+        elif params.stop_token_sequences and any(
+                request.output_token_ids[-len(seq):] == list(seq) for seq in params.stop_token_sequences):
+            request.finish("stop")
         elif params.stop and self._cut_at_stop_string(request):
             request.finish("stop")
         elif generated >= params.max_new_tokens or request.num_tokens >= self.engine.max_model_len:

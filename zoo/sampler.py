@@ -25,6 +25,7 @@ class Sampler:
         """Greedy with nothing to apply to the logits: the raw argmax is the token, for every row of a step."""
         params = request.params
         return (params.temperature == 0 and params.repetition_penalty == 1.0 and not params.logit_bias
+                and not params.bad_words_ids
                 and request.num_tokens - len(request.prompt_token_ids) >= params.min_new_tokens
                 and not self.logits_hooks)
 
@@ -93,7 +94,7 @@ class Sampler:
         for i, request in enumerate(requests):
             params = request.params
             generated = request.num_tokens - len(request.prompt_token_ids)  # before this row's drafts
-            if (params.repetition_penalty == 1.0 and not params.logit_bias
+            if (params.repetition_penalty == 1.0 and not params.logit_bias and not params.bad_words_ids
                     and generated >= params.min_new_tokens):
                 continue  # nothing to apply: skip reading the history
             row, history = logits[i], histories[i]
@@ -106,6 +107,11 @@ class Sampler:
                                         values * params.repetition_penalty)
             for token, bias in params.logit_bias.items():
                 row[token] += bias
+            banned = [seq[-1] for seq in params.bad_words_ids  # the history (prompt included) ends with the rest
+                      if len(seq) == 1 or (len(history) >= len(seq) - 1
+                                           and list(history[len(history) - len(seq) + 1:]) == list(seq[:-1]))]
+            if banned:
+                row[torch.tensor(banned, device=row.device)] = float("-inf")
             if len(history) - len(request.prompt_token_ids) < params.min_new_tokens:
                 stop_ids = self.stop_ids(request)
                 if stop_ids:

@@ -21,6 +21,8 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_sequences: list[list[int]] = field(default_factory=list)  # end when the output ends with one
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # never generate a sequence's last token after the rest
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -83,6 +85,11 @@ class SamplingParams:
         need(isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
         need(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be true or false")
+        for name in ("stop_token_sequences", "bad_words_ids"):
+            value = getattr(self, name)
+            need(isinstance(value, (list, tuple)) and all(
+                isinstance(seq, (list, tuple)) and seq and all(is_int(t) and t >= 0 for t in seq) for seq in value),
+                f"{name}={value!r} must be a list of non-empty token id lists")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              f"logprobs={self.logprobs!r} must be an integer in [0, 20]")
         need(all(is_num(v) for v in self.logit_bias.values()), "logit_bias values must be finite numbers")
@@ -91,6 +98,8 @@ class SamplingParams:
              f"prompt_logprobs={self.prompt_logprobs!r} must be an integer in [0, 20]")
         need(isinstance(self.return_logits, bool), f"return_logits={self.return_logits!r} must be true or false")
         if vocab_size is not None:
-            for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+            for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias)),
+                              ("stop_token_sequences", [t for seq in self.stop_token_sequences for t in seq]),
+                              ("bad_words_ids", [t for seq in self.bad_words_ids for t in seq])):
                 bad = [t for t in ids if not 0 <= t < vocab_size]
                 need(not bad, f"{name} has token ids {bad} outside the vocabulary [0, {vocab_size})")
