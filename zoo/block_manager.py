@@ -102,6 +102,24 @@ class BlockManager:
         request.block_ids.extend(self._take_free_block() for _ in range(missing))
         return True
 
+    def share(self, block_ids: list[int]) -> list[int]:
+        """The same blocks for one more holder (a forked beam): their reference counts go up."""
+        for block in block_ids:
+            self.ref_counts[block] += 1
+        return list(block_ids)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        for block in reversed(block_ids):
+            self._release(block)
+
+    def take_private_copy(self, block: int) -> int | None:
+        """A fresh block for a holder of shared ``block`` about to write into it (copy-on-write); None when no
+        block is free. The caller copies the K/V and replaces its reference."""
+        if not self.free_blocks:
+            return None
+        self._release(block)
+        return self._take_free_block()
+
     def trim(self, request: Request, num_slots: int) -> None:
         """Give back blocks past ``num_slots`` entries (after rejected drafts)."""
         keep = self.blocks_needed(num_slots)

@@ -32,7 +32,9 @@ class Committer:
                                                         tokens) if not e.request.is_finished]
             self.greedy, self.moves = {}, ([], [])
             return [self._advance(entry, offset, output.logits, rows, token) for entry, offset, rows, token in kept]
-        plain = [i for i, e in enumerate(batch.scheduled) if e.samples and e.draft is None]
+        beams = self.engine.beam_search
+        beam_rows = {i for i, e in enumerate(batch.scheduled) if e.samples and e.draft is None and beams.wants(e.request)}
+        plain = [i for i, e in enumerate(batch.scheduled) if e.samples and e.draft is None and i not in beam_rows]
         chosen = {}
         if plain:
             requests = [batch.scheduled[i].request for i in plain]
@@ -52,8 +54,11 @@ class Committer:
         self.moves = ([], [])  # accepted drafts' K/V, (from, to) cache slots: one copy for the whole step
         results = [self._advance(entry, offset, output.logits, rows, chosen.get(i))
                    for i, (entry, offset, rows) in enumerate(zip(batch.scheduled, batch.token_offsets,
-                                                                  batch.logits_rows))]
+                                                                  batch.logits_rows)) if i not in beam_rows]
         self.engine.runner.kv.move_slots(*self.moves)
+        if beam_rows:
+            results += beams.commit([(batch.scheduled[i], batch.token_offsets[i], batch.logits_rows[i])
+                                     for i in sorted(beam_rows)], output.logits)
         return results
 
     def _record_prompt_logits(self, entry: ScheduledRequest, logits: torch.Tensor, rows: list[int]) -> None:

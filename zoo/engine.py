@@ -15,6 +15,7 @@ from zoo.commit import Committer
 from zoo.decoding import choose_method, draft_limit, fit_drafts
 from zoo.engine_setup import EngineSetup, device_and_dtype
 from zoo.errors import ZooError
+from zoo.beam_search import BeamSearch
 from zoo.intake import RequestIntake
 from zoo.kv_cache import plan_num_blocks
 from zoo.loader import load_model, open_checkpoint
@@ -92,6 +93,7 @@ class Engine:
         self.sampler = Sampler(self.hooks, self, int(runtime["seed"]), self.device, self.description.eos_token_ids)
         self.stats = EngineStats()
         self.intake = RequestIntake(self)
+        self.beam_search = BeamSearch(self)
         self.committer = Committer(self)
         self.draft_failures = 0  # steps whose drafts the decoding method failed to propose
         # Overlapped steps: a plain decode step's successor is launched before the step is committed, so the

@@ -53,6 +53,14 @@ class RequestIntake:
                 self.engine.held_samples.setdefault(request.request_id, []).append(sample)
         return request
 
+    def admit_copy(self, request: Request) -> Request:
+        """Another request for ``request``'s prompt, through every check and hook, not queued (a beam)."""
+        copy = self._add_one(request.prompt, request.input_token_ids, request.params, request.extras,
+                             request.source_dir, queue=False)
+        if copy.is_finished:
+            raise RuntimeError(f"a copy of request {request.request_id} was refused ({copy.error}); this is a bug")
+        return copy
+
     def release_samples(self, request: Request) -> None:
         """Queue the samples held for ``request``, once its prompt's blocks are computed (or it ended)."""
         for sample in self.engine.held_samples.pop(request.request_id, []):
@@ -116,10 +124,20 @@ class RequestIntake:
                                + f"; the model's limit is {engine.max_model_len} tokens including at least one "
                                "generated")
         request.params.validate(vocab)
+        width = request.params.beam_width
         needed = engine.blocks.blocks_needed(min(len(prompt) + request.params.max_new_tokens, engine.max_model_len))
-        if needed > engine.num_blocks:
-            raise RequestError(f"the request needs {needed} KV blocks of {engine.block_size} tokens, the cache has "
-                               f"{engine.num_blocks}; raise runtime.num_kv_blocks or lower max_new_tokens")
+        if needed * width > engine.num_blocks:
+            raise RequestError(f"the request needs {needed * width} KV blocks of {engine.block_size} tokens"
+                               + (f" ({width} beams of {needed})" if width > 1 else "")
+                               + f", the cache has {engine.num_blocks}; raise runtime.num_kv_blocks or lower "
+                               "max_new_tokens")
+        if width > engine.scheduler.max_num_seqs:
+            raise RequestError(f"beam_width={width} is more beams than runtime.max_num_seqs="
+                               f"{engine.scheduler.max_num_seqs} sequences can run")
+        request.seats = width
+        if width > 1 and engine.decoding is not None:
+            raise RequestError(f"beam_width={width} (beam search) does not combine with decoding="
+                               f"{engine.decoding.name}")
         errors = [e for e in self.hooks.zoo_request_validate(request=request, description=engine.description) if e]
         if errors:
             raise RequestError("; ".join(errors))

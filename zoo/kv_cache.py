@@ -70,6 +70,13 @@ class KVCache:
         flat[:, :, torch.tensor(targets, device=self.device)] = flat[:, :, torch.tensor(sources, device=self.device)]
 
 
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Copy whole blocks' K/V in every layer (a forked beam's copy of a block it shares)."""
+        if sources:
+            index = torch.tensor(sources, device=self.device)
+            self.tensor[:, :, torch.tensor(targets, device=self.device)] = self.tensor[:, :, index]
+
+
 def plan_num_blocks(runtime, kv: KVCache, profile_step, useful_blocks: int) -> tuple[int, int | None]:
     """``(blocks, peak bytes of a full step or None)`` from ``runtime.num_kv_blocks`` or the memory budget.
 

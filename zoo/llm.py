@@ -32,6 +32,8 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None  # with prompt_logprobs: per prompt token, None for the first
     context_logits: Any = None  # with return_logits: [prompt tokens, vocab] float32 tensor
     generation_logits: Any = None  # with return_logits: [generated tokens, vocab] float32 tensor
+    # beam search: every beam's hypothesis, best first (token_ids, text, score, cumulative_logprob, finish_reason)
+    beams: list[dict] | None = None
 
     def to_json(self) -> dict:
         record = {"id": self.id, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
@@ -42,6 +44,8 @@ class RequestOutput:
             record["logprobs"] = self.logprobs
         if self.samples is not None:
             record["samples"] = [asdict(sample) for sample in self.samples]
+        if self.beams is not None:
+            record["beams"] = self.beams
         if self.prompt_logprobs is not None:
             record["prompt_logprobs"] = self.prompt_logprobs
         if self.context_logits is not None:
@@ -192,6 +196,7 @@ class LLM:
             logprobs=self._logprobs(request),
             num_steps=request.num_steps,
             samples=samples,
+            beams=request.beam_hypotheses,
             prompt_logprobs=request.prompt_logprobs if not request.error else None,
             context_logits=request.context_logits if not request.error else None,
             generation_logits=(torch.stack(request.generation_logits) if request.generation_logits

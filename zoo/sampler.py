@@ -25,7 +25,7 @@ class Sampler:
         """Greedy with nothing to apply to the logits: the raw argmax is the token, for every row of a step."""
         params = request.params
         return (params.temperature == 0 and params.repetition_penalty == 1.0 and not params.logit_bias
-                and not params.bad_words_ids
+                and not params.bad_words_ids and params.beam_width == 1
                 and request.num_tokens - len(request.prompt_token_ids) >= params.min_new_tokens
                 and not self.logits_hooks)
 

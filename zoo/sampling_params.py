@@ -29,6 +29,9 @@ class SamplingParams:
     n: int = 1  # completions of the prompt (samples sharing its cached blocks)
     prompt_logprobs: int | None = None  # log-prob of each prompt token given those before it, plus the top-n
     return_logits: bool = False  # the raw logits of every prompt position and of every generated token
+    beam_width: int = 1  # > 1: beam search, returning every beam's hypothesis, best first
+    length_penalty: float = 1.0  # beam scores are log-probs / generated length ** length_penalty
+    early_stopping: bool | str = False  # as transformers': True, False (its heuristic) or "never"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "SamplingParams":
@@ -97,6 +100,16 @@ class SamplingParams:
         need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
              f"prompt_logprobs={self.prompt_logprobs!r} must be an integer in [0, 20]")
         need(isinstance(self.return_logits, bool), f"return_logits={self.return_logits!r} must be true or false")
+        need(is_int(self.beam_width) and 1 <= self.beam_width <= 64,
+             f"beam_width={self.beam_width!r} must be an integer in [1, 64]")
+        need(is_num(self.length_penalty), f"length_penalty={self.length_penalty!r} must be a finite number")
+        need(self.early_stopping in (True, False, "never"),
+             f"early_stopping={self.early_stopping!r} must be true, false or \"never\"")
+        if self.beam_width > 1:
+            clash = [name for name, on in (("temperature > 0", self.temperature > 0), ("n > 1", self.n > 1),
+                                           ("stop strings", bool(self.stop)), ("logprobs", self.logprobs is not None),
+                                           ("stop_token_sequences", bool(self.stop_token_sequences))) if on]
+            need(not clash, f"beam_width={self.beam_width} (beam search) does not combine with {', '.join(clash)}")
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias)),
                               ("stop_token_sequences", [t for seq in self.stop_token_sequences for t in seq]),

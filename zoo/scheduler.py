@@ -98,7 +98,8 @@ class Scheduler:
                 budget -= entry.num_query_tokens
                 i += 1
         # Admitting new work right after a preemption would only preempt again.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        seats = len(self.running) + sum(r.seats - 1 for r in self.running)
+        while self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs and not preempted:
             request = self.waiting[0]
             if not self._fits(request, held):
                 break  # in arrival order: it goes first once the step has room for it
@@ -119,6 +120,7 @@ class Scheduler:
             self.blocks.prefix_hit_tokens += request.num_cached_prompt_tokens
             request.status = Status.RUNNING
             self.running.append(request)
+            seats += request.seats
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens
         return scheduled
@@ -146,6 +148,14 @@ class Scheduler:
         self.blocks.free(request)
         request.num_computed_tokens = 0
         request.num_cached_prompt_tokens = 0
+
+    def preempt_one_except(self, keep: list[Request]) -> bool:
+        """Free blocks by preempting the latest running request not in ``keep``; False when there is none."""
+        victim = next((r for r in reversed(self.running) if all(r is not k for k in keep)), None)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
