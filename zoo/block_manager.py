@@ -13,6 +13,11 @@ from collections import OrderedDict
 from zoo.request import Request
 
 
+# A block-table entry whose block was given back (outside a sliding window): index -1 reads the KV cache's last
+# block, the scratch block, and the window's mask hides it.
+FREED = -1
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, lookahead: int = 0):
         self.num_blocks = num_blocks
@@ -105,12 +110,25 @@ class BlockManager:
     def share(self, block_ids: list[int]) -> list[int]:
         """The same blocks for one more holder (a forked beam): their reference counts go up."""
         for block in block_ids:
-            self.ref_counts[block] += 1
+            if block != FREED:
+                self.ref_counts[block] += 1
         return list(block_ids)
 
     def release_blocks(self, block_ids: list[int]) -> None:
         for block in reversed(block_ids):
-            self._release(block)
+            if block != FREED:
+                self._release(block)
+
+    def drop_outside_window(self, request: Request, window: int, sinks: int) -> None:
+        """Give back the blocks no later query of ``request`` can see: past the sliding window of its next token
+        and after the attention sinks. Their places in the block table become FREED (read, masked, as the
+        scratch block)."""
+        first_visible = request.num_computed_tokens - window + 1  # the lowest index the next query sees
+        bs = self.block_size
+        for k in range(sinks // bs + (sinks % bs > 0), max(0, first_visible) // bs):
+            if request.block_ids[k] != FREED:
+                self._release(request.block_ids[k])
+                request.block_ids[k] = FREED
 
     def take_private_copy(self, block: int) -> int | None:
         """A fresh block for a holder of shared ``block`` about to write into it (copy-on-write); None when no
@@ -129,7 +147,8 @@ class BlockManager:
     def free(self, request: Request) -> None:
         # Tail blocks first, so that eviction takes a prefix's end before its start.
         for block in reversed(request.block_ids):
-            self._release(block)
+            if block != FREED:
+                self._release(block)
         request.block_ids = []
         request.num_hashed_blocks = 0
 
@@ -140,6 +159,9 @@ class BlockManager:
         full = min(request.num_computed_tokens, request.num_tokens - self.lookahead) // self.block_size
         if full <= request.num_hashed_blocks:
             return  # most steps: no block filled up, so skip building the token list
+        if FREED in request.block_ids[:full]:  # a window gave blocks back: no chain of hashes goes past them
+            request.num_hashed_blocks = full
+            return
         tokens = request.token_ids
         for i in range(request.num_hashed_blocks, full):
             block = request.block_ids[i]

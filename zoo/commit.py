@@ -31,7 +31,9 @@ class Committer:
             kept = [(e, o, r, t) for e, o, r, t in zip(batch.scheduled, batch.token_offsets, batch.logits_rows,
                                                         tokens) if not e.request.is_finished]
             self.greedy, self.moves = {}, ([], [])
-            return [self._advance(entry, offset, output.logits, rows, token) for entry, offset, rows, token in kept]
+            results = [self._advance(entry, offset, output.logits, rows, token) for entry, offset, rows, token in kept]
+            self._drop_outside_windows(batch)
+            return results
         beams = self.engine.beam_search
         beam_rows = {i for i, e in enumerate(batch.scheduled) if e.samples and e.draft is None and beams.wants(e.request)}
         plain = [i for i, e in enumerate(batch.scheduled) if e.samples and e.draft is None and i not in beam_rows]
@@ -56,10 +58,20 @@ class Committer:
                    for i, (entry, offset, rows) in enumerate(zip(batch.scheduled, batch.token_offsets,
                                                                   batch.logits_rows)) if i not in beam_rows]
         self.engine.runner.kv.move_slots(*self.moves)
+        self._drop_outside_windows(batch)
         if beam_rows:
             results += beams.commit([(batch.scheduled[i], batch.token_offsets[i], batch.logits_rows[i])
                                      for i in sorted(beam_rows)], output.logits)
         return results
+
+    def _drop_outside_windows(self, batch: StepBatch) -> None:
+        """Under a sliding window, the blocks no later query can see go back to the pool."""
+        description = self.engine.description
+        if description.sliding_window:
+            for entry in batch.scheduled:
+                if not entry.request.is_finished:
+                    self.engine.blocks.drop_outside_window(entry.request, description.sliding_window,
+                                                           description.attention_sinks)
 
     def _record_prompt_logits(self, entry: ScheduledRequest, logits: torch.Tensor, rows: list[int]) -> None:
         """The logits at prompt positions ``entry.start ...``: each gives the log-prob of the next prompt token

@@ -38,6 +38,7 @@ class ModelDescription:
     residual_scale: float = 1.0  # with residual="normed", the factor on it (ChatGLM's alpha)
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     sliding_window: int | None = None
+    attention_sinks: int = 0  # with a window: the first tokens every query also sees (StreamingLLM)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-private settings

@@ -65,6 +65,13 @@ class Engine:
         self.checkpoint = open_checkpoint(config["model"], self.plugin_manager)
         self.description, self.tokenizer = self.checkpoint.description, self.checkpoint.tokenizer
         check_model_option(config["model"], self.description.architecture, self.plugin_manager)
+        if runtime["sliding_window"]:
+            self.description.sliding_window = int(runtime["sliding_window"])
+        if runtime["attention_sinks"]:
+            if not self.description.sliding_window:
+                raise ZooError("runtime.attention_sinks needs a sliding window: the model's own or "
+                               "runtime.sliding_window=N")
+            self.description.attention_sinks = int(runtime["attention_sinks"])
         # From here on only the plugins that take part in this run are called.
         self.plugins = select_plugins(self.plugin_manager, config, self.description.architecture)
         # Before the weights load, so that a bad decoding setting costs no loading time.

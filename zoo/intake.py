@@ -126,6 +126,11 @@ class RequestIntake:
         request.params.validate(vocab)
         width = request.params.beam_width
         needed = engine.blocks.blocks_needed(min(len(prompt) + request.params.max_new_tokens, engine.max_model_len))
+        window = engine.description.sliding_window
+        if window:  # blocks outside the window go back as it moves: the sinks, the window and one step's chunk
+            bs = engine.block_size
+            needed = min(needed, -(-engine.description.attention_sinks // bs)
+                         + -(-(window + engine.scheduler.max_num_batched_tokens) // bs) + 1)
         if needed * width > engine.num_blocks:
             raise RequestError(f"the request needs {needed * width} KV blocks of {engine.block_size} tokens"
                                + (f" ({width} beams of {needed})" if width > 1 else "")

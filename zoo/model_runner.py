@@ -235,7 +235,8 @@ class ModelRunner:
         mask = (key_index <= query_cache_index[:, :, None]) & (key_index < buf["context_lens"][:num_seqs, None, None])
         window = self.description.sliding_window
         if window:  # by index in the sequence: a draft token's is its depth past the last committed token
-            mask &= key_index > buf["query_index_in_sequence"][:num_seqs, :max_query, None] - window
+            in_window = key_index > buf["query_index_in_sequence"][:num_seqs, :max_query, None] - window
+            mask &= in_window | (key_index < self.description.attention_sinks)
         if visible is not None:
             width = visible.shape[1]
             sees = torch.zeros(num_seqs, max_query, width, dtype=torch.bool, device=self.device)

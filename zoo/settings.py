@@ -70,6 +70,8 @@ RUNTIME = {
     "max_num_seqs": Setting(int, 1),
     "max_num_batched_tokens": Setting(int, 1),
     "max_model_len": Setting(int, 2, optional=True),
+    "sliding_window": Setting(int, 1, optional=True),
+    "attention_sinks": Setting(int, 0),
     "enable_prefix_caching": Setting(bool),
     "attention_backend": Setting(str, choices=("auto", "sdpa", "triton")),
     "cuda_graphs": Setting(bool),
