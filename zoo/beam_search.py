@@ -80,6 +80,15 @@ class BeamSearch:
                         beam.num_computed_tokens = beam.num_tokens - 1
         return results
 
+    def abort(self, leader: Request) -> list[Request]:
+        """Forget ``leader``'s group; its beams, for the engine to end."""
+        group = self.groups.pop(leader.request_id, None)
+        if group is None:
+            return []
+        for beam in group.beams:
+            self.group_of.pop(beam.request_id, None)
+        return [beam for beam in group.beams if beam is not leader]
+
     # ------------------------------------------------------------------ one step of a group
 
     def _advance(self, group: BeamGroup, logits: torch.Tensor) -> bool:

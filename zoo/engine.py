@@ -157,6 +157,20 @@ class Engine:
     def has_work(self) -> bool:
         return self.inflight is not None or self.scheduler.has_work() or bool(self.held_samples)
 
+    def abort(self, request: Request) -> None:
+        """End ``request`` now (its client went away): it and its samples or beams leave the scheduler and
+        give back their blocks; a step already launched for it has its tokens dropped at commit."""
+        group = request.group
+        members = list(group.samples or [group]) + self.beam_search.abort(group)
+        self.held_samples.pop(group.request_id, None)
+        for member in members:
+            if member.is_finished:
+                continue
+            if member in self.scheduler.waiting:
+                self.scheduler.waiting.remove(member)
+            member.finish("abort")
+            self.finish(member)
+
     def finish(self, request: Request) -> None:
         if request.request_id in self.held_samples:  # ended before its first token: its samples go on alone
             self.intake.release_samples(request)

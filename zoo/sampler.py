@@ -26,6 +26,7 @@ class Sampler:
         params = request.params
         return (params.temperature == 0 and params.repetition_penalty == 1.0 and not params.logit_bias
                 and not params.bad_words_ids and params.beam_width == 1
+                and not params.presence_penalty and not params.frequency_penalty
                 and request.num_tokens - len(request.prompt_token_ids) >= params.min_new_tokens
                 and not self.logits_hooks)
 
@@ -95,6 +96,7 @@ class Sampler:
             params = request.params
             generated = request.num_tokens - len(request.prompt_token_ids)  # before this row's drafts
             if (params.repetition_penalty == 1.0 and not params.logit_bias and not params.bad_words_ids
+                    and not params.presence_penalty and not params.frequency_penalty
                     and generated >= params.min_new_tokens):
                 continue  # nothing to apply: skip reading the history
             row, history = logits[i], histories[i]
@@ -107,6 +109,11 @@ class Sampler:
                                         values * params.repetition_penalty)
             for token, bias in params.logit_bias.items():
                 row[token] += bias
+            if params.presence_penalty or params.frequency_penalty:
+                output = [t for t in history[len(request.prompt_token_ids):] if t < row.shape[0]]
+                if output:
+                    ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
+                    row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
             banned = [seq[-1] for seq in params.bad_words_ids  # the history (prompt included) ends with the rest
                       if len(seq) == 1 or (len(history) >= len(seq) - 1
                                            and list(history[len(history) - len(seq) + 1:]) == list(seq[:-1]))]

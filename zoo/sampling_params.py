@@ -18,6 +18,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: minus this for each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the token was generated
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -82,6 +84,9 @@ class SamplingParams:
         need(is_num(self.min_p) and 0 <= self.min_p < 1, f"min_p={self.min_p!r} must be in [0, 1)")
         need(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty={self.repetition_penalty!r} must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(is_num(value) and -2 <= value <= 2, f"{name}={value!r} must be a number in [-2, 2]")
         need(self.seed is None or is_int(self.seed), f"seed={self.seed!r} must be an integer")
         need(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
              f"stop={self.stop!r} must be a list of non-empty strings")

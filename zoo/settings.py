@@ -94,9 +94,20 @@ RUN = {  # zoo.run's own keys
     "output.stream": Setting(bool),
     "output.sweep_table": Setting(str, optional=True),
 }
+SERVE = {  # zoo.serve's own keys
+    "server.host": Setting(str),
+    "server.port": Setting(int, 0, 65535),
+    "server.api_key": Setting(str, optional=True),
+    "server.served_model_name": Setting(str, optional=True),
+    "server.max_body_bytes": Setting(int, 1),
+    "server.max_prompt_tokens": Setting(int, 1, optional=True),
+    "server.max_waiting_requests": Setting(int, 1),
+    "server.shutdown_timeout": Setting(int, 0),
+    "server.allowed_media_dir": Setting(str, optional=True),
+}
 # Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
 TOP_LEVEL = {"model", "decoding", "runtime", "processor", "experiment", "prompt", "input", "output", "sampling",
-             "plugins", "adapters", "hydra"}
+             "plugins", "adapters", "hydra", "server"}
 
 
 def _unknown(key: str, known) -> ZooError:
@@ -129,7 +140,7 @@ def check_device(name: str) -> None:
         raise ZooError(f"runtime.device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
-def check_settings(config, run: bool = False) -> None:
+def check_settings(config, run: bool = False, serve: bool = False) -> None:
     """``runtime.*`` (and, for ``zoo.run``, its input, output and top-level keys): types, ranges, choices, and
     no unknown key. ``sampling.*`` keys are checked by name here and by value per request."""
     runtime = config.get("runtime") or {}
@@ -153,6 +164,14 @@ def check_settings(config, run: bool = False) -> None:
             node = config.get(section) if section else config
             if node is not None and name in node:
                 setting.check(key, node[name])
+    if serve:
+        for key in config.get("server") or {}:
+            if f"server.{key}" not in SERVE:
+                raise _unknown(f"server.{key}", SERVE)
+        for key, setting in SERVE.items():
+            name = key.split(".", 1)[1]
+            if name in (config.get("server") or {}):
+                setting.check(key, config["server"][name])
     from dataclasses import fields
 
     from zoo.sampling_params import SamplingParams

@@ -1,0 +1,132 @@
+"""The server's overhead: time to first token, inter-token latency and throughput of ``python -m zoo.serve`` at
+concurrency 1, 16 and 64 (the figures of vLLM's ``benchmark_serving``), beside the same workload through
+``LLM.generate`` in this process; the ratio of the two throughputs is the server's cost.
+
+    python bench/serve.py                         # the embedded default model, on this machine's device
+    python bench/serve.py --model DIR --requests 128 --out bench/results/serve.json
+
+Each request streams (``stream_options.include_usage`` gives its token count); prompts are code snippets of
+mixed lengths and every request asks for ``--max-tokens`` greedy tokens with EOS ignored... which the OpenAI
+API cannot ask for, so the bench sets ``sampling.ignore_eos=true`` on the server's command line instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+
+def start_server(args, port):
+    cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
+           f"runtime.max_num_seqs={max(args.concurrency)}"] + ([f"model.path={args.model}"] if args.model else [])
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: {proc.stderr.read()}")
+        try:
+            return proc, client, client.models.list().data[0].id
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.3)
+    raise SystemExit("the server did not start")
+
+
+def one_request(client, model, prompt, max_tokens, record):
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    record.append({"ttft": stamps[0] - start if stamps else float("nan"),
+                   "itl": statistics.mean(b - a for a, b in zip(stamps, stamps[1:])) if len(stamps) > 1 else 0.0,
+                   "tokens": tokens})
+
+
+def run_level(client, model, prompts, max_tokens, concurrency):
+    records, queue_lock, next_index = [], threading.Lock(), [0]
+
+    def worker():
+        while True:
+            with queue_lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= len(prompts):
+                return
+            one_request(client, model, prompts[i], max_tokens, records)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ttft = sorted(r["ttft"] for r in records)
+    return {"concurrency": concurrency, "requests": len(records), "seconds": wall,
+            "output_tok_s": sum(r["tokens"] for r in records) / wall,
+            "ttft_median_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
+            "itl_mean_ms": 1000 * statistics.mean(r["itl"] for r in records)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--out", default=None, help="write the figures here as JSON")
+    args = p.parse_args()
+    rng = random.Random(0)
+    words = ["def", "class", "import", "return", "for", "while", "if", "self", "print", "yield", "lambda", "(", ")"]
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 60))) for _ in range(args.requests)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, client, model = start_server(args, port)
+    try:
+        one_request(client, model, prompts[0], 4, [])  # warm-up
+        levels = []
+        for concurrency in args.concurrency:
+            levels.append(run_level(client, model, prompts, args.max_tokens, concurrency))
+            r = levels[-1]
+            print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
+                  f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms",
+                  flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    from zoo import LLM, SamplingParams
+
+    llm = LLM(args.model, max_num_seqs=max(args.concurrency)) if args.model else LLM(max_num_seqs=max(args.concurrency))
+    params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    offline = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    print(f"LLM.generate, the same {len(prompts)} requests at once: {offline:.0f} output tok/s")
+    for r in levels:
+        r["ratio_to_offline"] = r["output_tok_s"] / offline
+        print(f"  concurrency {r['concurrency']}: serve / offline = {r['ratio_to_offline']:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "levels": levels, "offline_output_tok_s": offline}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

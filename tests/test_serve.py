@@ -1,0 +1,334 @@
+"""``python -m zoo.serve`` through the real ``openai`` client and raw HTTP, against a server started on 127.0.0.1:
+completions and chat, streamed and not, equal to ``zoo.LLM`` for the same settings; an adapter chosen by name;
+auth; every bad request; a client that disconnects; a load of concurrent streams; SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+try:  # the openai client's HTTP library (httpx, renamed httpx2 in its 2.x releases)
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from zoo import LLM, SamplingParams  # noqa: E402
+
+KEY = "test-key-123"
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The embedded default model with a chat template, and a LoRA adapter for it made with peft."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    import zoo
+
+    folder = tmp_path_factory.mktemp("served")
+    source = Path(zoo.__file__).parent / "default_model"
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(source / name, folder / name)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(0)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           init_lora_weights=False))
+    adapter = tmp_path_factory.mktemp("sql")
+    lora.save_pretrained(adapter)
+    return folder, adapter
+
+
+class Served:
+    def __init__(self, args, cwd):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env.pop("ZOO_API_KEY", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "zoo.serve", f"server.port={self.port}", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def model_name(self, key=KEY) -> str:
+        models = httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
+        return models["data"][0]["id"]
+
+    def client(self, key=KEY):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metrics(self, key=KEY) -> dict:
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    folder, adapter = model_dir
+    server = Served([f"model.path={folder}", f"+adapters.sql={adapter}", f"server.api_key={KEY}",
+                     "server.max_body_bytes=20000", "server.max_prompt_tokens=200", "runtime.max_num_seqs=96"],
+                    cwd=tmp_path_factory.mktemp("cwd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    folder, adapter = model_dir
+    return LLM(str(folder), adapters={"sql": str(adapter)}, max_num_seqs=96)
+
+
+def test_completions_streamed_and_not_equal_the_python_api(served, local):
+    client = served.client()
+    for settings in (dict(temperature=0.0), dict(temperature=0.8, seed=5, top_p=0.9)):
+        reply = client.completions.create(model=served.model_name(), prompt="def main(", max_tokens=12, **settings)
+        chunks = list(client.completions.create(model=served.model_name(), prompt="def main(", max_tokens=12,
+                                                stream=True, **settings))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        params = {"max_new_tokens": 12, **({"temperature": settings["temperature"]} if settings["temperature"] else
+                                           {"temperature": 0.0}), **{k: v for k, v in settings.items()
+                                                                     if k in ("seed", "top_p")}}
+        expected = local.generate(["def main("], SamplingParams(**params))[0]
+        assert reply.choices[0].text == streamed == expected.text
+        assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert reply.usage.completion_tokens == len(expected.token_ids) == 12
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_uses_the_checkpoint_template(served, local, model_dir):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir[0])
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "print hello"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # the peer's render
+    expected = local.generate([text], SamplingParams(max_new_tokens=10, temperature=0.0))[0].text
+    client = served.client()
+    reply = client.chat.completions.create(model=served.model_name(), messages=messages, max_tokens=10,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(model=served.model_name(), messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True))
+    assert reply.choices[0].message.content == expected
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_an_adapter_is_a_model(served, local):
+    client = served.client()
+    assert [m.id for m in client.models.list().data] == [served.model_name(), "sql"]
+    reply = client.completions.create(model="sql", prompt="SELECT", max_tokens=10, temperature=0)
+    expected = local.generate([{"prompt": "SELECT", "adapter": "sql"}], SamplingParams(max_new_tokens=10))[0].text
+    base = local.generate(["SELECT"], SamplingParams(max_new_tokens=10))[0].text
+    assert reply.choices[0].text == expected != base
+
+
+def test_n_logprobs_and_penalties_map_onto_sampling(served, local):
+    client = served.client()
+    reply = client.completions.create(model=served.model_name(), prompt=["import", "class"], max_tokens=5,
+                                      temperature=0.9, n=2, seed=11, logprobs=2, frequency_penalty=0.5)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    outs = local.generate(["import", "class"], SamplingParams(max_new_tokens=5, temperature=0.9, n=2, seed=11,
+                                                              logprobs=2, frequency_penalty=0.5))
+    assert [c.text for c in reply.choices] == [s.text for o in outs for s in o.samples]
+    assert len(reply.choices[0].logprobs.tokens) == 5 and len(reply.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def raw(served, path, body=None, key=KEY, method="POST", content=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if method == "GET":
+        return httpx.get(served.url + path, headers=headers)
+    return httpx.post(served.url + path, headers={**headers, "content-type": "application/json"},
+                      content=content if content is not None else json.dumps(body))
+
+
+def test_auth(served):
+    assert raw(served, "/health", method="GET", key=None).status_code == 200
+    for path, method in (("/v1/models", "GET"), ("/metrics", "GET"), ("/v1/completions", "POST")):
+        for key in (None, "wrong"):
+            reply = raw(served, path, {"prompt": "x"}, key=key, method=method)
+            assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+    assert raw(served, "/v1/models", method="GET").status_code == 200
+
+
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/v1/completions", "{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "x", "temprature": 1}, 400, "unknown field(s): temprature"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature=-1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_new_tokens=0"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "word " * 300}, 400, "this server takes at most 200"),
+    ("/v1/completions", {}, 400, "prompt is required"),
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "'nope' does not exist"),
+    ("/v1/nothing", {"prompt": "x"}, 404, "no endpoint /v1/nothing"),
+    ("/v1/completions", {"prompt": "x" * 30000}, 413, "larger than server.max_body_bytes=20000"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "takes no images"),
+])
+def test_bad_requests_get_openai_errors_and_harm_no_other_request(served, local, path, body, status, fragment):
+    client = served.client()
+    result = {}
+
+    def good():  # a request running while the bad one arrives
+        chunks = client.completions.create(model=served.model_name(), prompt="def f(", max_tokens=30,
+                                           temperature=0, stream=True)
+        result["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    reply = raw(served, path, body if isinstance(body, dict) else None,
+                content=body if isinstance(body, str) else None)
+    thread.join(120)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert result["text"] == local.generate(["def f("], SamplingParams(max_new_tokens=30))[0].text
+
+
+def wait_idle(served, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = served.metrics()
+        if m["zoo_kv_blocks_used"] == 0 and m["zoo_requests_running"] == 0 and m["zoo_requests_waiting"] == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"still busy: {served.metrics()}")
+
+
+def test_a_client_that_disconnects_frees_its_blocks(served):
+    with httpx.stream("POST", served.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "def f(", "max_tokens": 400, "temperature": 0, "stream": True},
+                      timeout=60) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert served.metrics()["zoo_requests_running"] >= 1
+    wait_idle(served)
+
+
+def test_load_of_concurrent_streams_with_disconnects(served, local):
+    """64 streaming clients of mixed lengths get zoo's tokens while 8 more hang up mid-stream; no block is left."""
+    prompts = [f"def f{i}(" for i in range(64)]
+    lengths = [4 + (i * 7) % 40 for i in range(64)]
+    expected = [o.text for o in local.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])]
+    got, errors = [None] * 64, []
+
+    def stream(i):
+        try:
+            chunks = served.client().completions.create(model=served.model_name(), prompt=prompts[i],
+                                                        max_tokens=lengths[i], temperature=0, stream=True)
+            got[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    def hang_up(i):
+        with httpx.stream("POST", served.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": f"class C{i}:", "max_tokens": 300, "temperature": 0, "stream": True},
+                          timeout=60) as reply:
+            for k, _ in enumerate(reply.iter_lines()):
+                if k >= 3:
+                    break
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(64)]
+    threads += [threading.Thread(target=hang_up, args=(i,)) for i in range(8)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors and time.time() - start < 180
+    assert got == expected
+    wait_idle(served)
+
+
+def test_sigterm_finishes_running_requests_and_exits_0(model_dir, tmp_path):
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "server.shutdown_timeout=20"], cwd=tmp_path)  # no key: auth off
+    assert httpx.get(server.url + "/v1/models").status_code == 200
+    result = {}
+
+    def long_request():
+        result["reply"] = server.client(key="unused").completions.create(
+            model=server.model_name(), prompt="def f(", max_tokens=150, temperature=0)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.0)
+    server.proc.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert server.proc.wait(timeout=60) == 0
+    assert result["reply"].usage.completion_tokens == 150  # it finished before the server stopped
+    assert "zoo.serve stopped" in server.proc.stderr.read()
+
+
+def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_path):
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "runtime.max_num_seqs=1", "server.max_waiting_requests=1"],
+                    cwd=tmp_path)
+    try:
+        name = server.model_name()
+        statuses = []
+
+        def long_request():
+            try:
+                server.client().completions.create(model=name, prompt="def f(", max_tokens=200, temperature=0)
+                statuses.append(200)
+            except openai.RateLimitError:  # the third may find the queue full too
+                statuses.append(429)
+
+        threads = [threading.Thread(target=long_request) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while server.metrics()["zoo_requests_waiting"] < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        reply = raw(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key=None)
+        assert reply.status_code == 429 and "already waiting" in reply.json()["error"]["message"]
+        for t in threads:
+            t.join(120)
+        assert statuses.count(200) >= 2
+        for url, fragment in (("http://example.com/cat.png", "not fetched"), ("/etc/passwd", "refused"),
+                              ("file:///etc/passwd", "refused")):
+            body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+            reply = raw(server, "/v1/chat/completions", body, key=None)
+            assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
+    finally:
+        server.stop()

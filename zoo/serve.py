@@ -1,0 +1,626 @@
+"""An OpenAI-compatible HTTP server on zoo's engine: ``python -m zoo.serve``.
+
+    python -m zoo.serve model.path=DIR +adapters.sql=PEFT_DIR server.port=8000
+
+Starlette (through FastAPI) and uvicorn handle HTTP (the ``serve`` extra); zoo supplies one engine loop. The
+engine runs in a thread of its own: handlers hand it requests and aborts through a queue, and it hands each
+step's tokens back to the handlers' event loop, so every HTTP request joins the running continuous batch as it
+arrives. Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``: server-sent
+events ending in ``data: [DONE]``), ``GET /v1/models`` (the base model and every adapter; a request selects an
+adapter by its name in ``model``), ``GET /health`` and ``GET /metrics`` (Prometheus).
+
+Safe by default: it binds 127.0.0.1; ``server.api_key`` (or ``$ZOO_API_KEY``) requires ``Authorization:
+Bearer`` on every endpoint but ``/health``; bodies and prompts are capped; no request reads a file of the
+server's disk (images come as data URLs; paths only beneath ``server.allowed_media_dir``); every bad request
+gets an OpenAI-shaped error with status 400, 401, 404, 413 or 429 and leaves the others alone.
+"""
+
+
+import asyncio
+import base64
+import json
+import os
+import queue
+import secrets
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from zoo.errors import ZooError
+
+EXIT_BAD_SETTING = 2
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "request_too_large", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------- engine loop
+
+@dataclass
+class Submission:
+    """One HTTP request's zoo requests and where their events go (the handler's event loop and queue)."""
+
+    items: list[tuple[dict, dict]]  # (request dict for LLM._add, sampling overrides) per prompt
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    requests: list = field(default_factory=list)
+
+
+class EngineLoop:
+    """The engine, stepped in a thread of its own; everything that touches it happens in that thread."""
+
+    def __init__(self, llm):
+        self.llm, self.engine = llm, llm.engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.owner: dict[int, tuple[Submission, int]] = {}  # group request id -> (submission, prompt index)
+        self.stopping = False
+        self.tokens_out = 0
+        self.recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
+        self.thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
+        from zoo.llm import TextDeltas
+
+        self.deltas = TextDeltas(llm.tokenizer)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, submission: Submission) -> None:
+        self.inbox.put(("add", submission))
+
+    def abort(self, submission: Submission) -> None:
+        self.inbox.put(("abort", submission))
+
+    def stop(self) -> None:
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout=60)
+
+    def _post(self, submission: Submission, event: tuple) -> None:
+        submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                while True:  # everything that arrived; block only when there is nothing to step
+                    kind, submission = self.inbox.get(block=not engine.has_work(), timeout=None)
+                    if kind == "stop":
+                        for sub, _ in list(self.owner.values()):
+                            self._abort(sub)
+                        return
+                    (self._add if kind == "add" else self._abort)(submission)
+            except queue.Empty:
+                pass
+            if not engine.has_work():
+                continue
+            try:
+                stepped = engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failing step fails its requests, not the server
+                for sub, _ in list(self.owner.values()):
+                    self._post(sub, ("error", f"the engine failed: {type(exc).__name__}: {exc}"))
+                    self._abort(sub)
+                continue
+            now, count = time.monotonic(), 0
+            for request, tokens in stepped:
+                count += len(tokens)
+                owner = self.owner.get(request.group.request_id)
+                if owner is None:
+                    continue
+                submission, index = owner
+                if tokens and not request.error and not request.beam_hypotheses:
+                    text = self.deltas.delta(request, self.llm.text_of(request) if request.is_finished else None)
+                    self._post(submission, ("delta", index, request.sample_index, tokens, text, request))
+                if request.group_finished:
+                    self._finish(request.group)
+            self.tokens_out += count
+            self.recent = [(t, c) for t, c in self.recent if now - t < 10] + [(now, count)]
+
+    def _add(self, submission: Submission) -> None:
+        for index, (item, overrides) in enumerate(submission.items):
+            request = self.llm._add(item, overrides, index)
+            submission.requests.append(request)
+            self.owner[request.request_id] = (submission, index)
+            if request.is_finished:  # refused at intake: the whole HTTP request answers with its error
+                self._finish(request)
+
+    def _finish(self, request) -> None:
+        submission, index = self.owner.pop(request.request_id)
+        output = self.llm.output_of(request)
+        self._post(submission, ("finished", index, output, request))
+
+    def _abort(self, submission: Submission) -> None:
+        for request in submission.requests:
+            if request.request_id in self.owner and not request.group_finished:
+                self.engine.abort(request)
+                self.owner.pop(request.request_id, None)
+
+    def tokens_per_second(self) -> float:
+        if len(self.recent) < 2:
+            return 0.0
+        span = self.recent[-1][0] - self.recent[0][0]
+        return sum(c for _, c in self.recent[1:]) / span if span > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "n": "n",
+                   "seed": "seed", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "stop": "stop", "min_tokens": "min_new_tokens", "top_k": "top_k",
+                   "repetition_penalty": "repetition_penalty"}
+IGNORED_FIELDS = {"model", "stream", "user", "logprobs", "top_logprobs", "logit_bias", "stream_options", "prompt",
+                  "messages", "echo", "suffix", "best_of", "response_format", "tools", "tool_choice",
+                  "parallel_tool_calls", "max_completion_tokens", "service_tier", "store", "metadata"}
+
+
+class Server:
+    def __init__(self, cfg: DictConfig, llm):
+        self.cfg, self.server = cfg, cfg.server
+        self.llm, self.engine = llm, llm.engine
+        self.loop = EngineLoop(llm)
+        self.api_key = self.server.api_key or os.environ.get("ZOO_API_KEY") or None
+        path = cfg.model.get("path")
+        self.model_name = self.server.served_model_name or (Path(str(path)).name if path else "zoo-default")
+        self.max_prompt = int(self.server.max_prompt_tokens or self.engine.max_model_len - 1)
+        folder = self.engine.checkpoint.folder
+        config_path = folder / "tokenizer_config.json" if folder is not None else None
+        self.tokenizer_config = (json.loads(config_path.read_text())
+                                 if config_path is not None and config_path.exists() else {})
+        self.template = chat_template(self.tokenizer_config)
+        self.media_dir = Path(self.server.allowed_media_dir).resolve() if self.server.allowed_media_dir else None
+        self.takes_images = "images" in self.engine.intake.fields
+        self.media_tmp = tempfile.TemporaryDirectory(prefix="zoo_serve_media_")
+
+    # ------------------------------------------------------------------ checks
+
+    def check_auth(self, headers) -> None:
+        if self.api_key is None:
+            return
+        given = headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].strip(), self.api_key)):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
+
+    def adapter_for(self, model) -> str | None:
+        if model is None or model == self.model_name:
+            return None
+        if isinstance(model, str) and model in self.engine.adapters.entries:
+            return model
+        raise APIError(404, f"the model {model!r} does not exist; GET /v1/models lists "
+                            f"{', '.join(self.model_names())}", param="model", code="model_not_found")
+
+    def model_names(self) -> list[str]:
+        return [self.model_name] + sorted(self.engine.adapters.entries)
+
+    def sampling(self, body: dict) -> dict:
+        unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS)
+        if unknown:
+            raise APIError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+        values = {zoo: body[openai] for openai, zoo in SAMPLING_FIELDS.items() if body.get(openai) is not None}
+        values.setdefault("temperature", 1.0)  # OpenAI's default, where zoo's own is greedy
+        values.setdefault("max_new_tokens", 16 if "messages" not in body else
+                          max(1, min(512, self.engine.max_model_len // 2)))
+        if body.get("max_completion_tokens") is not None:
+            values["max_new_tokens"] = body["max_completion_tokens"]
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        logprobs = body.get("logprobs")
+        if "messages" in body:  # chat: logprobs is a flag, top_logprobs the count
+            if logprobs:
+                values["logprobs"] = int(body.get("top_logprobs") or 0)
+        elif logprobs is not None:
+            values["logprobs"] = logprobs
+        if body.get("logit_bias"):
+            try:
+                values["logit_bias"] = {int(k): float(v) for k, v in dict(body["logit_bias"]).items()}
+            except (TypeError, ValueError):
+                raise APIError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
+        from zoo.sampling_params import SamplingParams
+
+        try:
+            SamplingParams.from_dict(values).validate(self.engine.description.vocab_size)
+        except ZooError as exc:
+            raise APIError(400, str(exc)) from None
+        return values
+
+    def prompt_items(self, prompt, adapter: str | None, images=None) -> list[dict]:
+        """One request dict per prompt: text, token ids, or a list of either."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            prompts = prompt
+        else:
+            raise APIError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
+                           param="prompt")
+        items = []
+        for p in prompts:
+            item = {"prompt": p} if isinstance(p, str) else {"prompt_ids": p}
+            ids = self.llm.tokenizer.encode(p) if isinstance(p, str) else p
+            if len(ids) > self.max_prompt:
+                raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt}",
+                               param="prompt", code="context_length_exceeded")
+            if adapter is not None:
+                item["adapter"] = adapter
+            if images:
+                item["images"] = images
+            items.append(item)
+        return items
+
+    def chat_prompt(self, messages) -> tuple[str, list]:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+        if self.template is None:
+            raise APIError(400, "this model's tokenizer_config.json has no chat_template; use /v1/completions",
+                           param="messages")
+        images, plain = [], []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):  # parts: text and images
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict):
+                        raise APIError(400, "a content part must be an object", param="messages")
+                    if part.get("type") == "text":
+                        texts.append(str(part.get("text", "")))
+                    elif part.get("type") == "image_url":
+                        images.append(self.image(part.get("image_url")))
+                    else:
+                        raise APIError(400, f"content part type {part.get('type')!r} is not supported",
+                                       param="messages")
+                content = "".join(texts)
+            elif content is not None and not isinstance(content, str):
+                raise APIError(400, "message content must be a string or a list of parts", param="messages")
+            plain.append({**message, "content": content or ""})
+        try:
+            text = self.template.render(messages=plain, add_generation_prompt=True,
+                                        bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
+        except Exception as exc:  # noqa: BLE001 - the checkpoint's template raised: the request's fault or its
+            raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
+        return text, images
+
+    def special(self, name: str) -> str:
+        value = self.tokenizer_config.get(name)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    def image(self, spec) -> str:
+        """A path the image plugin reads: a data URL written to the server's temporary folder, or a file beneath
+        server.allowed_media_dir; anything else is refused."""
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if not isinstance(url, str):
+            raise APIError(400, "image_url.url must be a string", param="messages")
+        if url.startswith("data:"):
+            header, _, data = url.partition(",")
+            if ";base64" not in header:
+                raise APIError(400, "an image data URL must be base64", param="messages")
+            try:
+                raw = base64.b64decode(data, validate=True)
+            except ValueError:
+                raise APIError(400, "the image data URL is not valid base64", param="messages") from None
+            self.need_images()
+            path = Path(self.media_tmp.name) / f"{secrets.token_hex(8)}.img"
+            path.write_bytes(raw)
+            return str(path)
+        if url.startswith(("http://", "https://")):
+            raise APIError(400, "image URLs are not fetched: send the image as a data URL", param="messages")
+        if self.media_dir is None:
+            raise APIError(400, "images from the server's disk are refused (server.allowed_media_dir is not set); "
+                                "send a data URL", param="messages")
+        path = Path(url.removeprefix("file://"))
+        resolved = (self.media_dir / path).resolve() if not path.is_absolute() else path.resolve()
+        if not resolved.is_relative_to(self.media_dir) or not resolved.is_file():
+            raise APIError(400, f"{url!r} is not a file beneath server.allowed_media_dir", param="messages")
+        self.need_images()
+        return str(resolved)
+
+    def need_images(self) -> None:
+        if not self.takes_images:
+            raise APIError(400, "this model takes no images", param="messages")
+
+    # ------------------------------------------------------------------ responses
+
+    def logprobs_of(self, output, chat: bool):
+        if output.logprobs is None:
+            return None
+        decode = self.llm.tokenizer.decode
+        if chat:
+            return {"content": [{"token": decode([e["token_id"]]), "logprob": e["logprob"],
+                                 "top_logprobs": [{"token": decode([t]), "logprob": v} for t, v in e.get("top", [])]}
+                                for e in output.logprobs]}
+        return {"tokens": [decode([e["token_id"]]) for e in output.logprobs],
+                "token_logprobs": [e["logprob"] for e in output.logprobs],
+                "top_logprobs": [{decode([t]): v for t, v in e.get("top", [])} for e in output.logprobs]}
+
+    def choices(self, outputs, chat: bool) -> tuple[list, dict]:
+        choices, completion = [], 0
+        for output in outputs:
+            samples = output.samples or [output]
+            for sample in samples:
+                n = len(samples)
+                index = outputs.index(output) * n + getattr(sample, "index", 0)
+                completion += len(sample.token_ids)
+                finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
+                if chat:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": sample.text},
+                                    "finish_reason": finish, "logprobs": self.logprobs_of(sample, True)})
+                else:
+                    choices.append({"index": index, "text": sample.text, "finish_reason": finish,
+                                    "logprobs": self.logprobs_of(sample, False)})
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        return choices, {"prompt_tokens": prompt, "completion_tokens": completion,
+                         "total_tokens": prompt + completion}
+
+
+def chat_template(tokenizer_config: dict):
+    """The checkpoint's chat template (tokenizer_config.json), compiled as transformers does: a sandboxed jinja2
+    environment with ``raise_exception`` and ``tojson``; None when the checkpoint has none."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if not template:
+        return None
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    return env.from_string(template)
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+def build_app(server: Server):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    app = FastAPI(title="zoo", docs_url=None, redoc_url=None, openapi_url=None)
+    limit = int(server.server.max_body_bytes)
+    waiting_cap = int(server.server.max_waiting_requests)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def read_body(request: Request) -> dict:
+        server.check_auth(request.headers)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is larger than server.max_body_bytes={limit}")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise APIError(413, f"the request body is larger than server.max_body_bytes={limit}")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        if len(server.engine.scheduler.waiting) >= waiting_cap:
+            raise APIError(429, f"{waiting_cap} requests are already waiting; retry later")
+        return body
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request.headers)
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "zoo",
+                                            "root": server.model_name, "parent": None if i == 0 else server.model_name}
+                                           for i, name in enumerate(server.model_names())]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        server.check_auth(request.headers)
+        return PlainTextResponse(prometheus_text(server), media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request, chat: bool):
+        body = await read_body(request)
+        adapter = server.adapter_for(body.get("model"))
+        values = server.sampling(body)
+        if chat:
+            text, images = server.chat_prompt(body.get("messages"))
+            items = server.prompt_items(text, adapter, images)
+        else:
+            if "prompt" not in body:
+                raise APIError(400, "prompt is required", param="prompt")
+            items = server.prompt_items(body["prompt"], adapter)
+        loop = asyncio.get_running_loop()
+        submission = Submission([(item, values) for item in items], loop, asyncio.Queue())
+        server.loop.submit(submission)
+        kind = "chat.completion" if chat else "text_completion"
+        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        model = body.get("model") or server.model_name
+        if body.get("stream"):
+            return StreamingResponse(stream(request, submission, chat, ident, created, model, len(items),
+                                            values.get("n", 1), bool(body.get("stream_options", {}) or {})
+                                            and bool((body.get("stream_options") or {}).get("include_usage"))),
+                                     media_type="text/event-stream")
+        outputs = [None] * len(items)
+        try:
+            while None in outputs:  # counted here: the engine thread's events may still be on their way
+                event = await submission.events.get()
+                if event[0] == "finished":
+                    outputs[event[1]] = event[2]
+                elif event[0] == "error":
+                    server.loop.abort(submission)
+                    raise APIError(503, event[1])
+        except asyncio.CancelledError:  # the client went away
+            server.loop.abort(submission)
+            raise
+        failed = next((o for o in outputs if o.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(400, failed.error)
+        choices, usage = server.choices(outputs, chat)
+        return {"id": ident, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
+
+    async def stream(request, submission, chat, ident, created, model, prompts, n, include_usage):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices, usage=None):
+            data = {"id": ident, "object": kind, "created": created, "model": model, "choices": choices}
+            if usage is not None:
+                data["usage"] = usage
+            return f"data: {json.dumps(data)}\n\n"
+
+        outputs = [None] * prompts
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                              "logprobs": None} for i in range(prompts * n)])
+            while None in outputs:
+                event = await submission.events.get()
+                if event[0] == "delta":
+                    _, index, sample, tokens, text, zoo_request = event
+                    choice = index * n + sample
+                    if chat:
+                        yield chunk([{"index": choice, "delta": {"content": text}, "finish_reason": None,
+                                      "logprobs": None}])
+                    else:
+                        yield chunk([{"index": choice, "text": text, "finish_reason": None, "logprobs": None}])
+                elif event[0] == "finished":
+                    _, index, output, _ = event
+                    outputs[index] = output
+                    if output.finish_reason == "error":
+                        yield f"data: {json.dumps(APIError(400, output.error).body())}\n\n"
+                        continue
+                    for sample in output.samples or [output]:
+                        choice = index * n + getattr(sample, "index", 0)
+                        finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
+                        if chat:
+                            yield chunk([{"index": choice, "delta": {}, "finish_reason": finish, "logprobs": None}])
+                        else:
+                            yield chunk([{"index": choice, "text": "", "finish_reason": finish, "logprobs": None}])
+                elif event[0] == "error":
+                    yield f"data: {json.dumps(APIError(503, event[1]).body())}\n\n"
+                    break
+            if include_usage and all(o is not None for o in outputs):
+                yield chunk([], server.choices(outputs, chat)[1])
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:  # the client disconnected mid-stream: free its blocks now
+            server.loop.abort(submission)
+            raise
+        finally:
+            if None in outputs:  # ended early (a disconnect, an engine failure): free what it still holds
+                server.loop.abort(submission)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def not_found(request: Request, path: str):
+        server.check_auth(request.headers)
+        raise APIError(404, f"no endpoint /{path}")
+
+    return app
+
+
+def prometheus_text(server: Server) -> str:
+    """The engine's state in Prometheus' text format (prometheus_client renders it)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    engine, registry = server.engine, CollectorRegistry()
+
+    def gauge(name, text, value):
+        Gauge(name, text, registry=registry).set(value)
+
+    gauge("zoo_requests_running", "requests running in the engine", len(engine.scheduler.running))
+    gauge("zoo_requests_waiting", "requests waiting for the engine", len(engine.scheduler.waiting))
+    gauge("zoo_kv_blocks_used", "KV-cache blocks in use", engine.blocks.num_used_blocks)
+    gauge("zoo_kv_blocks_total", "KV-cache blocks", engine.num_blocks)
+    gauge("zoo_generated_tokens_total", "tokens generated since start", engine.stats.generated_tokens)
+    gauge("zoo_tokens_per_second", "tokens generated per second over the last 10 s", server.loop.tokens_per_second())
+    steps = engine.stats.token_steps
+    gauge("zoo_tokens_per_request_step", "tokens committed per request per step (above 1: accepted drafts)",
+          engine.stats.generated_tokens / steps if steps else 0.0)
+    return generate_latest(registry).decode()
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+def serve(cfg: DictConfig) -> int:
+    from zoo.settings import check_settings
+
+    try:
+        check_settings(cfg, run=True, serve=True)
+        import fastapi  # noqa: F401 - the serve extra
+        import uvicorn
+    except ImportError as exc:
+        print(f"error: python -m zoo.serve needs the serve extra (pip install 'zoo-runtime[serve]'): {exc}",
+              file=sys.stderr)
+        return EXIT_BAD_SETTING
+    except ZooError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTING
+    try:
+        from zoo.llm import LLM
+
+        llm = LLM(config=cfg)
+    except ZooError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTING
+    server = Server(cfg, llm)
+    server.loop.start()
+    config = uvicorn.Config(build_app(server), host=str(cfg.server.host), port=int(cfg.server.port),
+                            log_level="warning", timeout_graceful_shutdown=int(cfg.server.shutdown_timeout))
+    http = uvicorn.Server(config)
+    print(f"zoo serving {', '.join(server.model_names())} on http://{cfg.server.host}:{cfg.server.port}"
+          + (" (API key required)" if server.api_key else ""), file=sys.stderr, flush=True)
+    # uvicorn raises the signal again once it has shut down; this handler, which it restores first, takes it, so
+    # that a SIGTERM ends in exit status 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    status = 0
+    try:
+        http.run()  # SIGTERM and Ctrl-C: stop accepting, finish what runs within shutdown_timeout, return
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        server.loop.stop()  # aborts whatever is left and frees its blocks
+        server.media_tmp.cleanup()
+    print("zoo.serve stopped", file=sys.stderr)
+    return status
+
+
+def main() -> None:
+    import hydra
+
+    from zoo.config import CONFIG_MODULE, cli_main
+
+    main_fn = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="serve", version_base=None)(
+        lambda cfg: sys.exit(serve(cfg)))
+    cli_main(main_fn, name="serve")
+
+
+if __name__ == "__main__":
+    main()
