@@ -75,6 +75,7 @@ class EngineLoop:
         self.stopping = False
         self.tokens_out = 0
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
+        self.outbox: dict = {}  # event loop -> [(queue, event)] of this step, delivered together
         self.thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
         from zoo.llm import TextDeltas
 
@@ -94,17 +95,25 @@ class EngineLoop:
         self.thread.join(timeout=60)
 
     def _post(self, submission: Submission, event: tuple) -> None:
-        submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
+        self.outbox.setdefault(submission.loop, []).append((submission.events, event))
+
+    def _flush(self) -> None:
+        """One wake-up of each handler loop per step, not one per request and token."""
+        for loop, events in self.outbox.items():
+            loop.call_soon_threadsafe(_deliver, events)
+        self.outbox = {}
 
     def _run(self) -> None:
         engine = self.engine
         while True:
+            self._flush()
             try:
                 while True:  # everything that arrived; block only when there is nothing to step
                     kind, submission = self.inbox.get(block=not engine.has_work(), timeout=None)
                     if kind == "stop":
                         for sub, _ in list(self.owner.values()):
                             self._abort(sub)
+                        self._flush()
                         return
                     (self._add if kind == "add" else self._abort)(submission)
             except queue.Empty:
@@ -157,6 +166,11 @@ class EngineLoop:
             return 0.0
         span = self.recent[-1][0] - self.recent[0][0]
         return sum(c for _, c in self.recent[1:]) / span if span > 0 else 0.0
+
+
+def _deliver(events) -> None:
+    for events_queue, event in events:
+        events_queue.put_nowait(event)
 
 
 # ---------------------------------------------------------------------------------------------- requests
