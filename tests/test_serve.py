@@ -135,6 +135,32 @@ def test_completions_streamed_and_not_equal_the_python_api(served, local):
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_completion_equals_zoo_run(served, model_dir, tmp_path):
+    folder, _ = model_dir
+    settings = ["sampling.temperature=0.7", "sampling.seed=9", "sampling.max_new_tokens=10"]
+    cli = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", "prompt=import os", *settings,
+                          "output.format=jsonl"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert cli.returncode == 0, cli.stderr
+    record = json.loads(cli.stdout.splitlines()[-1])
+    reply = served.client().completions.create(model=served.model_name(), prompt="import os", max_tokens=10,
+                                               temperature=0.7, seed=9)
+    assert reply.choices[0].text == record["text"]
+
+
+def test_a_decoding_method_serves_and_reports_accepted_tokens(model_dir, tmp_path):
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "decoding=lookahead"], cwd=tmp_path)
+    try:
+        reply = server.client().completions.create(model=server.model_name(), prompt="def f(", max_tokens=40,
+                                                   temperature=0)
+        plain = LLM(str(folder)).generate(["def f("], SamplingParams(max_new_tokens=40))[0].text
+        assert reply.choices[0].text == plain  # greedy: exactly plain decoding's tokens
+        assert server.metrics()["zoo_tokens_per_request_step"] > 1.0  # drafts were accepted
+    finally:
+        server.stop()
+
+
 def test_chat_uses_the_checkpoint_template(served, local, model_dir):
     import transformers
 
