@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -174,8 +173,8 @@ def profile_decode(llm, batch, steps, table_rows, say) -> dict:
         say(f"  {label:32s} {ms:.3f} ms per step")
     say(f"  kernels per step {len(kernels) / replays:.0f}: busy {busy_total / replays:.1f} us, "
         f"gaps {gap_total / replays:.1f} us (under the profiler)")
-    say(f"  | kernel | per step | us per step | gap before, us per step |")
-    say(f"  |---|---|---|---|")
+    say("  | kernel | per step | us per step | gap before, us per step |")
+    say("  |---|---|---|---|")
     for name, (count, busy, gap) in rows[:table_rows]:
         say(f"  | {name[:60]} | {count / replays:.0f} | {busy / replays:.1f} | {gap / replays:.1f} |")
     return {"step_ms": step_ms, "graph_ms": graph_ms, "argmax_us": 1000 * argmax_ms, "split_ms": split,

@@ -10,16 +10,12 @@ import pytest
 import torch
 
 from conftest import hf_greedy, prompt_set
+from test_parity import REGIMES  # batched, chunked prefill, preemption
 from zoo import LLM, SamplingParams
 
 MAX_NEW = 6
 ATOL = 1e-4  # float32 on CPU, as tests/test_parity.py
 
-REGIMES = {
-    "batched": dict(block_size=16, max_num_batched_tokens=512),
-    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
-    "preemption": dict(block_size=4, num_kv_blocks=18, max_num_batched_tokens=64),
-}
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -167,9 +168,8 @@ class DecodingMethod:
 CHECKPOINT_HEADS = "zoo_heads"  # <checkpoint>/zoo_heads/<method>/: the heads a method uses by default
 
 
-def heads_folder(engine, method: str) -> "Path | None":
+def heads_folder(engine, method: str) -> Path | None:
     """``decoding.heads``, else the checkpoint's own heads for ``method`` if it has them, else None (fresh)."""
-    from pathlib import Path
 
     setting = engine.config["decoding"]["heads"]
     if setting:

@@ -29,7 +29,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
