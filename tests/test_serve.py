@@ -358,3 +358,16 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
             assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("server.port=-1", "server.port=-1: must be an integer in [0, 65535]"),
+    ("+server.nosuch=1", "server.nosuch: no such setting"),
+    ("server.max_body_bytes=0", "server.max_body_bytes=0: must be an integer >= 1"),
+    ("server.hots=x", "server.hots: no such setting (did you mean server.host?)"),
+])
+def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zoo.serve", override], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(f"error: {message}")
+    assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
