@@ -114,7 +114,10 @@ class EngineLoop:
                             self._abort(sub)
                         self._flush()
                         return
-                    (self._add if kind == "add" else self._abort)(submission)
+                    try:
+                        (self._add if kind == "add" else self._abort)(submission)
+                    except Exception as exc:  # noqa: BLE001 - one request's failure, never the engine thread's
+                        self._post(submission, ("error", f"{type(exc).__name__}: {exc}"))
             except queue.Empty:
                 pass
             if not engine.has_work():
@@ -363,11 +366,10 @@ class Server:
 
     def choices(self, outputs, chat: bool) -> tuple[list, dict]:
         choices, completion = [], 0
-        for output in outputs:
+        for position, output in enumerate(outputs):
             samples = output.samples or [output]
             for sample in samples:
-                n = len(samples)
-                index = outputs.index(output) * n + getattr(sample, "index", 0)
+                index = position * len(samples) + getattr(sample, "index", 0)
                 completion += len(sample.token_ids)
                 finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
                 if chat:
