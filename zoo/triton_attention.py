@@ -192,11 +192,12 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         IEEE=q.dtype == torch.float32,
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
-    # Merge the splits: weight each by its share of the total softmax mass.
+    # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
+    # block tables differ in width (mixed steps) then share one compiled variant instead of one per power of two.
     out = torch.empty_like(q)
     _merge_splits_kernel[(tokens, heads)](
         out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), SPLIT_TOKENS=blocks_per_split * block_size)
+        HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), SPLIT_TOKENS=blocks_per_split * block_size)
     return out
