@@ -14,6 +14,8 @@
 #                                            `lora` = bench/lora_gpu.py (LORA_ARGS, LORA_CAP_S)
 #                                            `profile` = bench/profile_gpu_step.py (PROFILE_ARGS, PROFILE_CAP_S)
 #                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
+#                                            `serve` = bench/serve.py --llama-1b (SERVE_ARGS, SERVE_CAP_S; needs
+#                                            the serve extra's wheels in .carry/wheels)
 #                                            `bench` = gpu cpu
 #
 # Both trees are installed the same way for the benchmarks: non-editable, with --no-deps, into their own
@@ -55,7 +57,7 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec|lora|profile|gemv) PARTS+=("$a") ;;
+    gpu|cpu|tests|anchor|spec|lora|profile|gemv|serve) PARTS+=("$a") ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -240,6 +242,17 @@ if want gemv; then
   # shellcheck disable=SC2086
   run_part "gemv_kernel" "${GEMV_CAP_S:-200}" "$STAGE/gemv.log" \
     with_tree current "$PY" "$ROOT/bench/gemv_kernel.py" --out "$OUT/gemv.txt" ${GEMV_ARGS:-}
+fi
+
+if want serve; then
+  mkdir -p "$OUT/serve"
+  for pkg in fastapi uvicorn jinja2 prometheus_client; do  # the serve extra, where the device lacks it
+    "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" \
+      --no-cache-dir "$pkg" > "$STAGE/install_$pkg.log" 2>&1 || echo "note: $pkg not installed"
+  done
+  # shellcheck disable=SC2086
+  run_part "serve_bench" "${SERVE_CAP_S:-300}" "$OUT/serve/serve.log" \
+    with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve.json" ${SERVE_ARGS:-}
 fi
 
 # ---------------------------------------------------------------- (c) tests on CUDA, current tree

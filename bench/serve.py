@@ -103,11 +103,22 @@ def run_level(client, model, prompts, max_tokens, concurrency):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--llama-1b", action="store_true",
+                   help="write bench/gpu.py's random-init Llama-3.2-1B-shaped bf16 checkpoint (CUDA) and serve it")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args()
+    if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
+        import tempfile
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from gpu import write_checkpoint  # noqa: E402 - bench/gpu.py
+
+        args.model = tempfile.mkdtemp(prefix="zoo_serve_1b_")
+        write_checkpoint(Path(args.model), 16)
     rng = random.Random(0)
     words = ["def", "class", "import", "return", "for", "while", "if", "self", "print", "yield", "lambda", "(", ")"]
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 60))) for _ in range(args.requests)]
