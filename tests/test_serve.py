@@ -365,6 +365,7 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
     ("+server.nosuch=1", "server.nosuch: no such setting"),
     ("server.max_body_bytes=0", "server.max_body_bytes=0: must be an integer >= 1"),
     ("server.hots=x", "server.hots: no such setting (did you mean server.host?)"),
+    ("runtime.tensor_parallel_size=2", "python -m zoo.serve runs one rank"),
 ])
 def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zoo.serve", override], capture_output=True, text=True, cwd=tmp_path,

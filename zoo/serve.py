@@ -589,6 +589,8 @@ def serve(cfg: DictConfig) -> int:
 
     try:
         check_settings(cfg, run=True, serve=True)
+        if int(cfg.runtime.tensor_parallel_size) > 1:  # the engine loop would need rank 0 to hand requests on
+            raise ZooError("python -m zoo.serve runs one rank: runtime.tensor_parallel_size > 1 is not served yet")
         import fastapi  # noqa: F401 - the serve extra
         import uvicorn
     except ImportError as exc:
