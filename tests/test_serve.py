@@ -223,6 +223,7 @@ def test_auth(served):
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "word " * 300}, 400, "this server takes at most 200"),
     ("/v1/completions", {}, 400, "prompt is required"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo=True is not supported"),
     ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "'nope' does not exist"),
     ("/v1/nothing", {"prompt": "x"}, 404, "no endpoint /v1/nothing"),
     ("/v1/completions", {"prompt": "x" * 30000}, 413, "larger than server.max_body_bytes=20000"),

@@ -181,9 +181,13 @@ SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "temperature": "temperature",
                    "seed": "seed", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                    "stop": "stop", "min_tokens": "min_new_tokens", "top_k": "top_k",
                    "repetition_penalty": "repetition_penalty"}
-IGNORED_FIELDS = {"model", "stream", "user", "logprobs", "top_logprobs", "logit_bias", "stream_options", "prompt",
-                  "messages", "echo", "suffix", "best_of", "response_format", "tools", "tool_choice",
-                  "parallel_tool_calls", "max_completion_tokens", "service_tier", "store", "metadata"}
+# read elsewhere, or without effect on the tokens (user, store, metadata, service_tier)
+OTHER_FIELDS = {"model", "stream", "user", "logprobs", "top_logprobs", "logit_bias", "stream_options", "prompt",
+                "messages", "max_completion_tokens", "service_tier", "store", "metadata"}
+# OpenAI fields zoo does not serve: refused when set to anything but their no-op value
+UNSERVED_FIELDS = {"echo": (False,), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+                   "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+                   "parallel_tool_calls": (None, False, True)}
 
 
 class Server:
@@ -225,9 +229,12 @@ class Server:
         return [self.model_name] + sorted(self.engine.adapters.entries)
 
     def sampling(self, body: dict) -> dict:
-        unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS)
+        unknown = sorted(set(body) - set(SAMPLING_FIELDS) - OTHER_FIELDS - set(UNSERVED_FIELDS))
         if unknown:
             raise APIError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+        for name, no_op in UNSERVED_FIELDS.items():
+            if name in body and body[name] not in no_op:
+                raise APIError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
         values = {zoo: body[openai] for openai, zoo in SAMPLING_FIELDS.items() if body.get(openai) is not None}
         values.setdefault("temperature", 1.0)  # OpenAI's default, where zoo's own is greedy
         values.setdefault("max_new_tokens", 16 if "messages" not in body else
