@@ -162,6 +162,8 @@ class EngineLoop:
             if request.request_id in self.owner and not request.group_finished:
                 self.engine.abort(request)
                 self.owner.pop(request.request_id, None)
+                for member in request.samples or [request]:
+                    self.deltas.sent.pop(member.request_id, None)  # its text will not be asked for again
 
     def tokens_per_second(self) -> float:
         if len(self.recent) < 2:
