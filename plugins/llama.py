@@ -51,14 +51,28 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def _qwen2_window(hf: dict) -> int | None:
+    """Qwen2's window: ``layer_types`` (or layers ``max_window_layers`` onwards) attend in it, the rest fully."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else
+                                      "full_attention" for i in range(layers)]
+    windowed = sum(t == "sliding_attention" for t in types)
+    if windowed == 0:
+        return None
+    if windowed < layers:
+        raise ZooError(f"Qwen2 with a sliding window on {windowed} of its {layers} layers (max_window_layers="
+                       f"{hf.get('max_window_layers')}): zoo applies one window to every layer or none")
+    return hf["sliding_window"]
+
+
 def describe(hf: dict) -> ModelDescription:
     theta, scaling = _rope(hf)
     architecture = hf["architectures"][0]
     heads = hf["num_attention_heads"]
     qwen2 = architecture == "Qwen2ForCausalLM"
     sliding = hf.get("sliding_window")
-    if qwen2 and not hf.get("use_sliding_window", False):
-        sliding = None
+    if qwen2:  # transformers' Qwen2: a window only with use_sliding_window, on the layers from max_window_layers
+        sliding = _qwen2_window(hf) if hf.get("use_sliding_window", False) else None
     return ModelDescription(
         architecture=architecture,
         vocab_size=hf["vocab_size"],

@@ -64,3 +64,34 @@ def test_sinks_without_a_window_is_one_line(checkpoints):
     folder, _ = checkpoints["llama"]
     with pytest.raises(ZooError, match="runtime.attention_sinks needs a sliding window"):
         LLM(str(folder), attention_sinks=4)
+
+
+def qwen2_checkpoint(folder, max_window_layers):
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.1)
+    torch.manual_seed(3)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("max_window_layers", [0, 2])  # every layer windowed; none (the window starts past them)
+def test_qwen2_windows_follow_transformers_layer_rule(tmp_path, max_window_layers):
+    model = qwen2_checkpoint(tmp_path, max_window_layers)
+    prompt = prompt_set()[5]  # 34 tokens: longer than the window
+    llm = LLM(str(tmp_path), block_size=4)
+    assert llm.engine.description.sliding_window == (16 if max_window_layers == 0 else None)
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model, prompt, 30)[0]
+
+
+def test_qwen2_windows_on_some_layers_only_are_one_line(tmp_path):
+    from zoo.errors import ZooError
+
+    qwen2_checkpoint(tmp_path, 1)
+    with pytest.raises(ZooError, match="sliding window on 1 of its 2 layers"):
+        LLM(str(tmp_path))
