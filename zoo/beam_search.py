@@ -80,8 +80,8 @@ class BeamSearch:
                         beam.num_computed_tokens = beam.num_tokens - 1
         return results
 
-    def abort(self, leader: Request) -> list[Request]:
-        """Forget ``leader``'s group; its beams, for the engine to end."""
+    def forget(self, leader: Request) -> list[Request]:
+        """Forget ``leader``'s group; its beams but the leader, for the caller to end."""
         group = self.groups.pop(leader.request_id, None)
         if group is None:
             return []
@@ -179,14 +179,9 @@ class BeamSearch:
     def _end(self, group: BeamGroup) -> None:
         engine, leader = self.engine, group.leader
         best = group.finished[0]
-        for beam in group.beams:
-            self.group_of.pop(beam.request_id, None)
-            if beam is not leader:
-                if beam in engine.scheduler.waiting:
-                    engine.scheduler.waiting.remove(beam)
-                beam.finish("length")
-                engine.finish(beam)
-        del self.groups[leader.request_id]
+        for beam in self.forget(leader):
+            beam.finish("length")
+            engine.finish(beam)
         tokenizer = engine.tokenizer
         leader.beam_hypotheses = [{"token_ids": h.token_ids, "text": tokenizer.decode(h.token_ids),
                                    "score": h.score, "cumulative_logprob": h.cumulative_logprob,
@@ -194,7 +189,5 @@ class BeamSearch:
                                   for h in group.finished]
         leader.output_token_ids = list(best.token_ids)
         leader.output_text = ""
-        if leader in engine.scheduler.waiting:
-            engine.scheduler.waiting.remove(leader)
         leader.finish("stop" if best.finished_by_stop else "length")
         engine.finish(leader)

@@ -10,12 +10,12 @@ import torch
 
 from zoo import fused_ops, parallel
 from zoo.adapters import Adapters
+from zoo.beam_search import BeamSearch
 from zoo.block_manager import BlockManager
 from zoo.commit import Committer
 from zoo.decoding import choose_method, draft_limit, fit_drafts
 from zoo.engine_setup import EngineSetup, device_and_dtype
 from zoo.errors import ZooError
-from zoo.beam_search import BeamSearch
 from zoo.intake import RequestIntake
 from zoo.kv_cache import plan_num_blocks
 from zoo.loader import load_model, open_checkpoint
@@ -161,15 +161,12 @@ class Engine:
         """End ``request`` now (its client went away): it and its samples or beams leave the scheduler and
         give back their blocks; a step already launched for it has its tokens dropped at commit."""
         group = request.group
-        members = list(group.samples or [group]) + self.beam_search.abort(group)
+        members = list(group.samples or [group]) + self.beam_search.forget(group)
         self.held_samples.pop(group.request_id, None)
         for member in members:
-            if member.is_finished:
-                continue
-            if member in self.scheduler.waiting:
-                self.scheduler.waiting.remove(member)
-            member.finish("abort")
-            self.finish(member)
+            if not member.is_finished:
+                member.finish("abort")
+                self.finish(member)
 
     def finish(self, request: Request) -> None:
         if request.request_id in self.held_samples:  # ended before its first token: its samples go on alone
@@ -220,7 +217,7 @@ class Engine:
         sequences = self.committer.commit_step(batch, output, tokens)
         if self.held_samples:
             for s in sequences:
-                if s.request.request_id in self.held_samples and (s.new_tokens or s.request.is_finished):
+                if s.new_tokens and s.request.request_id in self.held_samples:  # (one that ended: Engine.finish)
                     self.intake.release_samples(s.request)
         self.hooks.zoo_step_results(results=StepResults(sequences, output))
         prefill = sum(e.num_tokens for e in batch.scheduled if e.num_tokens > 1 or not e.samples)

@@ -69,7 +69,6 @@ class KVCache:
         flat = self.tensor.view(self.tensor.shape[0], 2, -1, *self.tensor.shape[-2:])
         flat[:, :, torch.tensor(targets, device=self.device)] = flat[:, :, torch.tensor(sources, device=self.device)]
 
-
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         """Copy whole blocks' K/V in every layer (a forked beam's copy of a block it shares)."""
         if sources:

@@ -163,7 +163,7 @@ class ModelRunner:
                            split: StepLayout | None = None) -> AttentionMetadata:
         """The step's attention metadata; ``use_kernel`` None: the decode kernel wherever it handles the query.
         ``fresh_causal``: every sequence attends causally over exactly this step's tokens (whole prompts).
-        ``split``: the layout of a step of decode tokens and whole prompts, attended by two kernels."""
+        ``split``: a splittable step's layout, attended group by group (:class:`zoo.model.MixedStep`)."""
         if use_kernel is None:
             use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
         fresh_causal = fresh_causal and not use_kernel

@@ -58,10 +58,10 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     num_steps: int = 0  # forward passes that produced this request's generated tokens
-    # Parallel samples (``params.n`` > 1): the first request is the group's; it lists every sample, itself
-    # first, and each later sample names it and its index. See RequestIntake.add.
     seats: int = 1  # running sequences it takes: a beam search's whole width until it forks into its beams
     beam_hypotheses: list[dict] | None = None  # beam search: every beam's result, best first (zoo.beam_search)
+    # Parallel samples (``params.n`` > 1): the first request is the group's; it lists every sample, itself
+    # first, and each later sample names it and its index. See RequestIntake.add.
     samples: list["Request"] = field(default_factory=list)
     first_sample: "Request | None" = None
     sample_index: int = 0

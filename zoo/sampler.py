@@ -23,12 +23,16 @@ class Sampler:
 
     def plain_greedy(self, request: Request) -> bool:
         """Greedy with nothing to apply to the logits: the raw argmax is the token, for every row of a step."""
+        return (request.params.temperature == 0 and request.params.beam_width == 1
+                and not self.has_processors(request) and not self.logits_hooks)
+
+    @staticmethod
+    def has_processors(request: Request) -> bool:
+        """Whether :meth:`process` changes this request's logits now (the plugins' processors aside)."""
         params = request.params
-        return (params.temperature == 0 and params.repetition_penalty == 1.0 and not params.logit_bias
-                and not params.bad_words_ids and params.beam_width == 1
-                and not params.presence_penalty and not params.frequency_penalty
-                and request.num_tokens - len(request.prompt_token_ids) >= params.min_new_tokens
-                and not self.logits_hooks)
+        return (params.repetition_penalty != 1.0 or bool(params.logit_bias) or bool(params.bad_words_ids)
+                or bool(params.presence_penalty) or bool(params.frequency_penalty)
+                or request.num_tokens - len(request.prompt_token_ids) < params.min_new_tokens)
 
     def generator_for(self, request: Request) -> torch.Generator:
         if request.params.seed is None:
@@ -94,10 +98,7 @@ class Sampler:
         logits = logits.clone()
         for i, request in enumerate(requests):
             params = request.params
-            generated = request.num_tokens - len(request.prompt_token_ids)  # before this row's drafts
-            if (params.repetition_penalty == 1.0 and not params.logit_bias and not params.bad_words_ids
-                    and not params.presence_penalty and not params.frequency_penalty
-                    and generated >= params.min_new_tokens):
+            if not self.has_processors(request):  # counted before this row's drafts
                 continue  # nothing to apply: skip reading the history
             row, history = logits[i], histories[i]
             if params.repetition_penalty != 1.0 and history:

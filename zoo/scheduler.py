@@ -168,4 +168,6 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:  # ended before it ran again (aborted while preempted)
+            self.waiting.remove(request)
         self.blocks.free(request)
