@@ -61,3 +61,33 @@ def test_bad_rules_fail_alone(checkpoints, field, value):
                                      SamplingParams(max_new_tokens=3))
     assert outs[0].finish_reason == "error" and field in outs[0].error
     assert outs[1].error is None and len(outs[1].token_ids) == 3
+
+
+def test_presence_and_frequency_penalties_follow_openai_definition(checkpoints):
+    """Greedy under the penalties against transformers' logits with the definition applied by hand: each token
+    already generated loses presence_penalty once and frequency_penalty per occurrence."""
+    folder, model = checkpoints["llama"]
+    prompt = prompt_set()[1]
+    presence, frequency = 0.7, 0.9
+    tokens = list(prompt)
+    for _ in range(MAX_NEW):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1].double()
+        generated = tokens[len(prompt):]
+        for token in set(generated):
+            logits[token] -= presence + frequency * generated.count(token)
+        tokens.append(int(logits.argmax()))
+    out = LLM(str(folder)).generate([prompt], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True,
+                                                             presence_penalty=presence,
+                                                             frequency_penalty=frequency))[0]
+    assert out.token_ids == tokens[len(prompt):]
+    assert out.token_ids != hf_greedy(model, prompt, MAX_NEW)[0]  # the penalties changed the path
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_a_penalty_outside_openai_range_fails_alone(checkpoints, field):
+    folder, _ = checkpoints["llama"]
+    outs = LLM(str(folder)).generate([{"prompt_ids": [1, 2, 3], field: 2.5}, [4, 5, 6]],
+                                     SamplingParams(max_new_tokens=3))
+    assert outs[0].finish_reason == "error" and f"{field}=2.5 must be a number in [-2, 2]" in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) == 3
