@@ -14,6 +14,7 @@
 #                                            `lora` = bench/lora_gpu.py (LORA_ARGS, LORA_CAP_S)
 #                                            `profile` = bench/profile_gpu_step.py (PROFILE_ARGS, PROFILE_CAP_S)
 #                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
+#                                            `offline` = bench/profile_offline.py (OFFLINE_ARGS, OFFLINE_CAP_S)
 #                                            `serve` = bench/serve.py --llama-1b (SERVE_ARGS, SERVE_CAP_S; needs
 #                                            the serve extra's wheels in .carry/wheels)
 #                                            `bench` = gpu cpu
@@ -57,7 +58,7 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec|lora|profile|gemv|serve) PARTS+=("$a") ;;
+    gpu|cpu|tests|anchor|spec|lora|profile|gemv|serve|offline) PARTS+=("$a") ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -242,6 +243,13 @@ if want gemv; then
   # shellcheck disable=SC2086
   run_part "gemv_kernel" "${GEMV_CAP_S:-200}" "$STAGE/gemv.log" \
     with_tree current "$PY" "$ROOT/bench/gemv_kernel.py" --out "$OUT/gemv.txt" ${GEMV_ARGS:-}
+fi
+
+if want offline; then
+  mkdir -p "$OUT/offline"
+  # shellcheck disable=SC2086
+  run_part "profile_offline" "${OFFLINE_CAP_S:-300}" "$OUT/offline/offline.log" \
+    with_tree current "$PY" "$ROOT/bench/profile_offline.py" --out "$OUT/offline" ${OFFLINE_ARGS:-}
 fi
 
 if want serve; then

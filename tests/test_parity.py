@@ -140,3 +140,56 @@ def test_steps_mixing_decodes_prompts_and_chunks_match_transformers(checkpoints,
         assert sum(s.chunk_rows is not None for s in mixed) >= 2
     for i, (request, (ref_tokens, _)) in enumerate(zip(requests, references[name])):
         assert request.output_token_ids == ref_tokens, f"prompt {i}"
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size):
+    """torch's varlen flash call, written out with SDPA per sequence: causal aligned to the last key."""
+    assert window_size == (-1, 0)
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        length, keys = qs.stop - qs.start, ks.stop - ks.start
+        assert length <= max_q and keys <= max_k
+        mask = torch.ones(length, keys, dtype=torch.bool).tril(keys - length)
+        out[qs] = torch.nn.functional.scaled_dot_product_attention(
+            q[qs].transpose(0, 1), k[ks].repeat_interleave(group, 1).transpose(0, 1),
+            v[ks].repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask, scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_ragged_prompts_and_chunks_match_transformers(checkpoints, references, name, monkeypatch):
+    """Mixed steps on CUDA attend whole prompts and chunks in one varlen flash call (zoo.model.RaggedCausal).
+    Here the runner's layout of it (rows, key slots, cumulative lengths) is checked on CPU with the flash call
+    written out per sequence; tests/test_gpu.py checks the real kernel against the same rule."""
+    import zoo.model
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr(zoo.model, "varlen_attn", reference_varlen)
+    monkeypatch.setattr(zoo.model, "VARLEN_CAUSAL", dict(window_size=(-1, 0)))
+    prompts = prompt_set()
+    llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], block_size=16, max_num_batched_tokens=24)
+    engine = llm.engine
+    engine.runner.decode_kernel = engine.runner.fresh_causal_path = engine.runner.ragged_path = True
+    splits = []
+    original = engine.runner.attention_metadata
+
+    def recorded(*args, **kwargs):
+        meta = original(*args, **kwargs)
+        splits.append(meta.split)
+        return meta
+
+    engine.runner.attention_metadata = recorded
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    requests = []
+    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):
+        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
+        engine.step()
+        engine.step()
+    engine.run_until_done()
+    ragged = [s.ragged for s in splits if s is not None and s.ragged is not None]
+    assert any(len(r.cu_queries) > 2 for r in ragged)  # several sequences in one call
+    assert any(int(r.cu_keys[-1]) > int(r.cu_queries[-1]) for r in ragged)  # chunks after cached tokens
+    for i, (request, (ref_tokens, _)) in enumerate(zip(requests, references[name])):
+        assert request.output_token_ids == ref_tokens, f"prompt {i}"

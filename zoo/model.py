@@ -9,6 +9,7 @@ the step's :class:`AttentionMetadata`, which it reads from the forward context
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -70,6 +71,46 @@ class MixedStep:
     chunk_query_index: torch.Tensor | None  # [Tc] index in its chunk
     chunk_tables: torch.Tensor | None  # [chunks, blocks] their block tables
     chunk_mask: torch.Tensor | None  # [chunks, 1, longest chunk, blocks * block_size]
+    ragged: "RaggedCausal | None" = None  # on CUDA: whole prompts and chunks together, in place of the two above
+
+
+@dataclass
+class RaggedCausal:
+    """Whole prompts and chunks after cached tokens as one varlen flash call (CUDA, fp16/bf16): the queries of
+    each sequence laid end to end, and the cache slots of every key each one sees (its cached tokens, then its
+    own). Causality aligned to the last key lets a chunk's query i see its cached tokens and own tokens 0..i:
+    no mask, no padding, one kernel for the step however many prompts it carries."""
+
+    rows: torch.Tensor  # [Tq] token rows, sequence by sequence
+    key_slots: torch.Tensor  # [Tk] cache slots of the keys, sequence by sequence
+    cu_queries: torch.Tensor  # [S + 1] int32: where each sequence's queries start in ``rows``
+    cu_keys: torch.Tensor  # [S + 1] int32: where its keys start in ``key_slots``
+    longest_query: int
+    longest_keys: int
+
+    def attend(self, q, key_cache, value_cache, scale: float) -> torch.Tensor:
+        kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        keys = key_cache.view(-1, kv_heads, head_dim)[self.key_slots]
+        values = value_cache.view(-1, kv_heads, head_dim)[self.key_slots]
+        return varlen_attn(q[self.rows], keys, values, self.cu_queries, self.cu_keys, self.longest_query,
+                           self.longest_keys, scale=scale, **VARLEN_CAUSAL)
+
+
+try:  # torch >= 2.10: flash attention over sequences laid end to end (grouped KV heads taken as they are)
+    from torch.nn.attention.varlen import varlen_attn
+
+    # 2.10 spells causal is_causal=True; later releases a window of (-1, 0), aligned to the last key either way
+    VARLEN_CAUSAL = (dict(window_size=(-1, 0)) if "window_size" in inspect.signature(varlen_attn).parameters
+                     else dict(is_causal=True))
+except ImportError:
+    varlen_attn = None
+
+
+def ragged_attention_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :class:`RaggedCausal` runs here: flash's varlen kernel needs CUDA, half precision and a head
+    size it was built for."""
+    return (varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and head_dim <= 256)
 
 
 @dataclass
@@ -230,6 +271,8 @@ def mixed_step_attention(q, key_cache, value_cache, meta: AttentionMetadata, sca
         out[split.decode_rows] = paged_decode_attention(
             q[split.decode_rows], key_cache, value_cache, meta.block_tables, meta.context_lens, split.decode_seq,
             split.decode_cache_index, meta.draft_start, None, scale, False)
+    if split.ragged is not None:
+        out[split.ragged.rows] = split.ragged.attend(q, key_cache, value_cache, scale)
     if split.prompt_rows is not None:
         out[split.prompt_rows] = causal_over_own_keys(
             q[split.prompt_rows], key_cache, value_cache, split.prompt_slots, split.prompt_seq,

@@ -10,6 +10,7 @@ unchanged.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from zoo.cuda_graphs import DecodeGraphs
 from zoo.description import ModelDescription
 from zoo.forward_context import ForwardContext, forward_context
 from zoo.kv_cache import KVCache
-from zoo.model import AttentionMetadata, DecoderModel, MixedStep
+from zoo.model import AttentionMetadata, DecoderModel, MixedStep, RaggedCausal, ragged_attention_usable
 from zoo.request import Request
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
@@ -70,6 +71,8 @@ class ModelRunner:
         # Whole-prompt steps attend without the cache's mask (flash kernels). Only on CUDA, where that is faster;
         # on CPU the masked path stays the reference (tests turn this on to compare the two).
         self.fresh_causal_path = device.type == "cuda"
+        # Mixed steps attend their whole prompts and chunks in one varlen flash call where it runs.
+        self.ragged_path = ragged_attention_usable(device, dtype, description.head_dim)
 
     def add_buffer(self, spec: BufferSpec) -> None:
         if spec.name in self.specs:
@@ -121,9 +124,11 @@ class ModelRunner:
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,
                           layout.logits_indices, graph=graph, prompt_logits_rows=layout.prompt_logits_rows)
         if graph is None:
-            fresh = layout.fresh_causal and self.fresh_causal_path and not self.description.sliding_window
-            split = (not fresh and self.decode_kernel and self.fresh_causal_path and layout.splittable
-                     and not self.description.sliding_window)
+            unmasked = self.fresh_causal_path and not self.description.sliding_window
+            split = unmasked and self.decode_kernel and layout.splittable
+            # whole prompts alone take the ragged call too where it runs: no padding to the longest prompt
+            fresh = unmasked and layout.fresh_causal and not (split and self.ragged_path)
+            split = split and not fresh
             batch.attention = self.attention_metadata(batch.num_tokens, len(scheduled), max_query, num_blocks,
                                                       layout.has_drafts, fresh_causal=fresh,
                                                       split=layout if split else None)
@@ -204,6 +209,14 @@ class ModelRunner:
             return on_device(seq), on_device(index)
 
         decode_rows = on_device(layout.decode_rows)
+        decode = dict(decode_rows=decode_rows,
+                      decode_seq=None if decode_rows is None else buf["token_seq"][decode_rows],
+                      decode_cache_index=None if decode_rows is None else buf["token_cache_index"][decode_rows])
+        if self.ragged_path and (layout.prompt_spans or layout.chunk_spans):
+            return MixedStep(**decode, prompt_rows=None, prompt_slots=None, prompt_seq=None, prompt_query_index=None,
+                             num_prompts=0, longest_prompt=0, chunk_rows=None, chunk_seq=None,
+                             chunk_query_index=None, chunk_tables=None, chunk_mask=None,
+                             ragged=self._ragged(layout))
         prompt_rows = on_device([r for first, n in layout.prompt_spans for r in range(first, first + n)])
         prompt_seq, prompt_index = spans([n for _, n in layout.prompt_spans])
         chunk_rows = on_device([r for _, first, n in layout.chunk_spans for r in range(first, first + n)])
@@ -218,14 +231,44 @@ class ModelRunner:
             chunk_mask = ((key_index <= buf["query_cache_index"][seqs, :longest, None])
                           & (key_index < buf["context_lens"][seqs, None, None]))[:, None]
         return MixedStep(
-            decode_rows=decode_rows,
-            decode_seq=None if decode_rows is None else buf["token_seq"][decode_rows],
-            decode_cache_index=None if decode_rows is None else buf["token_cache_index"][decode_rows],
+            **decode,
             prompt_rows=prompt_rows, prompt_slots=None if prompt_rows is None else buf["slot_mapping"][prompt_rows],
             prompt_seq=prompt_seq, prompt_query_index=prompt_index, num_prompts=len(layout.prompt_spans),
             longest_prompt=max((n for _, n in layout.prompt_spans), default=0),
             chunk_rows=chunk_rows, chunk_seq=chunk_seq, chunk_query_index=chunk_index, chunk_tables=chunk_tables,
             chunk_mask=chunk_mask)
+
+    def _ragged(self, layout: StepLayout) -> RaggedCausal:
+        """The step's whole prompts, then its chunks, as :class:`zoo.model.RaggedCausal`: a prompt's keys are its
+        own tokens' slots; a chunk's are every slot of its sequence up to its last token, from its block table."""
+        buf, device, bs = self.buffers, self.device, self.block_size
+        rows, query_lens, key_lens = [], [], []
+        for first, n in layout.prompt_spans:
+            rows += range(first, first + n)
+            query_lens.append(n)
+            key_lens.append(n)
+        key_slots = buf["slot_mapping"][int64_tensor(rows).to(device, non_blocking=True)] if rows else None
+        if layout.chunk_spans:
+            seqs = int64_tensor([b for b, _, _ in layout.chunk_spans]).to(device, non_blocking=True)
+            num_blocks = max(-(-layout.context_lens[b] // bs) for b, _, _ in layout.chunk_spans)
+            width = num_blocks * bs
+            grid = (buf["block_tables"][seqs, :num_blocks, None] * bs
+                    + torch.arange(bs, device=device)).flatten(1)  # [chunks, width]: slot of each cache index
+            picks = []
+            for k, (b, first, n) in enumerate(layout.chunk_spans):
+                rows += range(first, first + n)
+                query_lens.append(n)
+                key_lens.append(layout.context_lens[b])
+                picks += range(k * width, k * width + layout.context_lens[b])
+            chunk_slots = grid.flatten()[int64_tensor(picks).to(device, non_blocking=True)]
+            key_slots = chunk_slots if key_slots is None else torch.cat([key_slots, chunk_slots])
+
+        def cumulative(lengths):
+            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device, non_blocking=True)
+
+        return RaggedCausal(rows=int64_tensor(rows).to(device, non_blocking=True), key_slots=key_slots,
+                            cu_queries=cumulative(query_lens), cu_keys=cumulative(key_lens),
+                            longest_query=max(query_lens), longest_keys=max(key_lens))
 
     def _dense_mask(self, num_tokens, num_seqs, max_query, num_blocks, visible) -> torch.Tensor:
         """``[B, 1, Q, keys]``: causal by cache index, windowed, and ancestors only inside a draft block."""
