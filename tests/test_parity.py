@@ -151,7 +151,7 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size):
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
         length, keys = qs.stop - qs.start, ks.stop - ks.start
         assert length <= max_q and keys <= max_k
-        mask = torch.ones(length, keys, dtype=torch.bool).tril(keys - length)
+        mask = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril(keys - length)
         out[qs] = torch.nn.functional.scaled_dot_product_attention(
             q[qs].transpose(0, 1), k[ks].repeat_interleave(group, 1).transpose(0, 1),
             v[ks].repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask, scale=scale).transpose(0, 1)
