@@ -3,7 +3,7 @@ concurrency 1, 16 and 64 (the figures of vLLM's ``benchmark_serving``), beside t
 ``LLM.generate`` in this process; the ratio of the two throughputs is the server's cost.
 
     python bench/serve.py                         # the embedded default model, on this machine's device
-    python bench/serve.py --model DIR --requests 128 --out bench/results/serve.json
+    python bench/serve.py --model DIR --rounds 8 --out bench/results/serve.json
 
 Each request streams (``stream_options.include_usage`` gives its token count); prompts are code snippets of
 mixed lengths and every request asks for ``--max-tokens`` greedy tokens with EOS ignored (the OpenAI API has no such
@@ -25,7 +25,9 @@ import threading
 import time
 
 
-try:  # the openai client's HTTP library (httpx, renamed httpx2 in its 2.x releases)
+# The openai client's HTTP library (httpx, renamed httpx2 in its 2.x releases); the openai client itself is not
+# needed, so the device machine runs this with what it has.
+try:
     import httpx2 as HTTP
 except ImportError:
     import httpx as HTTP
@@ -39,28 +41,26 @@ def start_server(args, port):
     cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
            f"runtime.max_num_seqs={max(args.concurrency)}"] + ([f"model.path={args.model}"] if args.model else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    import openai
-
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    base_url = f"http://127.0.0.1:{port}/v1/"
     deadline = time.time() + 180
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited: {proc.stderr.read()}")
         try:
-            return proc, client, client.models.list().data[0].id
+            return proc, base_url, SESSION.get(base_url + "models", timeout=5).json()["data"][0]["id"]
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(0.3)
     raise SystemExit("the server did not start")
 
 
-def one_request(client, model, prompt, max_tokens, record):
+def one_request(base_url, model, prompt, max_tokens, record):
     """One streamed completion over raw HTTP (the openai client's parsing would load the client side, which shares
     this machine's cores with the server)."""
     start = time.perf_counter()
     stamps, tokens = [], 0
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    with SESSION.stream("POST", f"{client.base_url}completions", json=body, timeout=600) as reply:
+    with SESSION.stream("POST", base_url + "completions", json=body, timeout=600) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -74,7 +74,7 @@ def one_request(client, model, prompt, max_tokens, record):
                    "tokens": tokens})
 
 
-def run_level(client, model, prompts, max_tokens, concurrency):
+def run_level(base_url, model, prompts, max_tokens, concurrency):
     records, queue_lock, next_index = [], threading.Lock(), [0]
 
     def worker():
@@ -84,7 +84,7 @@ def run_level(client, model, prompts, max_tokens, concurrency):
                 next_index[0] += 1
             if i >= len(prompts):
                 return
-            one_request(client, model, prompts[i], max_tokens, records)
+            one_request(base_url, model, prompts[i], max_tokens, records)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -105,7 +105,9 @@ def main() -> int:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
     p.add_argument("--llama-1b", action="store_true",
                    help="write bench/gpu.py's random-init Llama-3.2-1B-shaped bf16 checkpoint (CUDA) and serve it")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="each level sends this many requests per client (at least 8 in all), so most of its time "
+                        "is the steady state rather than the ramp up and down")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None, help="write the figures here as JSON")
@@ -121,16 +123,18 @@ def main() -> int:
         write_checkpoint(Path(args.model), 16)
     rng = random.Random(0)
     words = ["def", "class", "import", "return", "for", "while", "if", "self", "print", "yield", "lambda", "(", ")"]
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 60))) for _ in range(args.requests)]
+    count = max(8, args.rounds * max(args.concurrency))
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 60))) for _ in range(count)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc, client, model = start_server(args, port)
+    proc, base_url, model = start_server(args, port)
     try:
-        one_request(client, model, prompts[0], 4, [])  # warm-up
+        one_request(base_url, model, prompts[0], 4, [])  # warm-up
         levels = []
         for concurrency in args.concurrency:
-            levels.append(run_level(client, model, prompts, args.max_tokens, concurrency))
+            levels.append(run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens,
+                                    concurrency))
             r = levels[-1]
             print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
                   f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms",
@@ -146,7 +150,8 @@ def main() -> int:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     offline = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-    print(f"LLM.generate, the same {len(prompts)} requests at once: {offline:.0f} output tok/s")
+    print(f"LLM.generate, the {len(prompts)} requests of the widest level at once (max_num_seqs "
+          f"{max(args.concurrency)}): {offline:.0f} output tok/s")
     for r in levels:
         r["ratio_to_offline"] = r["output_tok_s"] / offline
         print(f"  concurrency {r['concurrency']}: serve / offline = {r['ratio_to_offline']:.2f}")

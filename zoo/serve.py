@@ -513,37 +513,57 @@ def build_app(server: Server):
                 data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n"
 
+        def delta_chunk(choice, text):
+            if chat:
+                return chunk([{"index": choice, "delta": {"content": text}, "finish_reason": None, "logprobs": None}])
+            return chunk([{"index": choice, "text": text, "finish_reason": None, "logprobs": None}])
+
         outputs = [None] * prompts
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                               "logprobs": None} for i in range(prompts * n)])
-            while None in outputs:
-                event = await submission.events.get()
-                if event[0] == "delta":
-                    _, index, sample, tokens, text, zoo_request = event
-                    choice = index * n + sample
-                    if chat:
-                        yield chunk([{"index": choice, "delta": {"content": text}, "finish_reason": None,
-                                      "logprobs": None}])
-                    else:
-                        yield chunk([{"index": choice, "text": text, "finish_reason": None, "logprobs": None}])
-                elif event[0] == "finished":
-                    _, index, output, _ = event
-                    outputs[index] = output
-                    if output.finish_reason == "error":
-                        yield f"data: {json.dumps(APIError(400, output.error).body())}\n\n"
+            failed = False
+            while None in outputs and not failed:
+                # Everything queued since the last wake-up goes out in one write, each choice's new text in one
+                # chunk: under load a client gets fewer, longer chunks instead of the server falling behind.
+                events = [await submission.events.get()]
+                while not submission.events.empty():
+                    events.append(submission.events.get_nowait())
+                parts, pending = [], {}  # pending: choice -> text not yet written, in order of arrival
+
+                def write_pending():
+                    parts.extend(delta_chunk(choice, text) for choice, text in pending.items())
+                    pending.clear()
+
+                for event in events:
+                    if event[0] == "delta":
+                        _, index, sample, tokens, text, zoo_request = event
+                        choice = index * n + sample
+                        pending[choice] = pending.get(choice, "") + text
                         continue
-                    for sample in output.samples or [output]:
-                        choice = index * n + getattr(sample, "index", 0)
-                        finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
-                        if chat:
-                            yield chunk([{"index": choice, "delta": {}, "finish_reason": finish, "logprobs": None}])
-                        else:
-                            yield chunk([{"index": choice, "text": "", "finish_reason": finish, "logprobs": None}])
-                elif event[0] == "error":
-                    yield f"data: {json.dumps(APIError(503, event[1]).body())}\n\n"
-                    break
+                    write_pending()
+                    if event[0] == "finished":
+                        _, index, output, _ = event
+                        outputs[index] = output
+                        if output.finish_reason == "error":
+                            parts.append(f"data: {json.dumps(APIError(400, output.error).body())}\n\n")
+                            continue
+                        for sample in output.samples or [output]:
+                            choice = index * n + getattr(sample, "index", 0)
+                            finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
+                            if chat:
+                                parts.append(chunk([{"index": choice, "delta": {}, "finish_reason": finish,
+                                                     "logprobs": None}]))
+                            else:
+                                parts.append(chunk([{"index": choice, "text": "", "finish_reason": finish,
+                                                     "logprobs": None}]))
+                    elif event[0] == "error":
+                        parts.append(f"data: {json.dumps(APIError(503, event[1]).body())}\n\n")
+                        failed = True
+                        break
+                write_pending()
+                yield "".join(parts)
             if include_usage and all(o is not None for o in outputs):
                 yield chunk([], server.choices(outputs, chat)[1])
             yield "data: [DONE]\n\n"
