@@ -260,7 +260,7 @@ if want serve; then
   done
   # shellcheck disable=SC2086
   run_part "serve_bench" "${SERVE_CAP_S:-300}" "$OUT/serve/serve.log" \
-    with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve.json" ${SERVE_ARGS:-}
+    with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve.json" --server-log "$OUT/serve/server.log" ${SERVE_ARGS:-}
 fi
 
 # ---------------------------------------------------------------- (c) tests on CUDA, current tree

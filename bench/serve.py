@@ -40,17 +40,24 @@ SESSION = HTTP.Client(limits=HTTP.Limits(max_connections=256, max_keepalive_conn
 def start_server(args, port):
     cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
            f"runtime.max_num_seqs={max(args.concurrency)}"] + ([f"model.path={args.model}"] if args.model else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    log = open(args.server_log, "w")  # a file, not a pipe: a pipe nobody reads would stall a chatty server
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     base_url = f"http://127.0.0.1:{port}/v1/"
     deadline = time.time() + 180
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {proc.stderr.read()}")
+            raise SystemExit(f"the server exited: {server_log_tail(args)}")
         try:
             return proc, base_url, SESSION.get(base_url + "models", timeout=5).json()["data"][0]["id"]
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(0.3)
     raise SystemExit("the server did not start")
+
+
+def server_log_tail(args, lines=40) -> str:
+    with open(args.server_log) as f:
+        return "".join(f.readlines()[-lines:])
 
 
 def one_request(base_url, model, prompt, max_tokens, record):
@@ -93,6 +100,8 @@ def run_level(base_url, model, prompts, max_tokens, concurrency):
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    if len(records) < len(prompts):
+        return None
     ttft = sorted(r["ttft"] for r in records)
     return {"concurrency": concurrency, "requests": len(records), "seconds": wall,
             "output_tok_s": sum(r["tokens"] for r in records) / wall,
@@ -111,6 +120,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None, help="write the figures here as JSON")
+    p.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
     args = p.parse_args()
     if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
         import tempfile
@@ -121,6 +131,10 @@ def main() -> int:
 
         args.model = tempfile.mkdtemp(prefix="zoo_serve_1b_")
         write_checkpoint(Path(args.model), 16)
+    if args.server_log is None:
+        import tempfile
+
+        args.server_log = tempfile.mkstemp(prefix="zoo_serve_", suffix=".log")[1]
     rng = random.Random(0)
     words = ["def", "class", "import", "return", "for", "while", "if", "self", "print", "yield", "lambda", "(", ")"]
     count = max(8, args.rounds * max(args.concurrency))
@@ -131,11 +145,15 @@ def main() -> int:
     proc, base_url, model = start_server(args, port)
     try:
         one_request(base_url, model, prompts[0], 4, [])  # warm-up
+        print(f"warm-up request done; the server's log so far:\n{server_log_tail(args)}", flush=True)
         levels = []
         for concurrency in args.concurrency:
             levels.append(run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens,
                                     concurrency))
             r = levels[-1]
+            if r is None:
+                raise SystemExit(f"requests failed at concurrency {concurrency}; the server's last lines:\n"
+                                 f"{server_log_tail(args)}")
             print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
                   f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms",
                   flush=True)
