@@ -55,6 +55,22 @@ def start_server(args, port):
     raise SystemExit("the server did not start")
 
 
+WORDS = ["def", "class", "import", "return", "for", "while", "if", "self", "print", "yield", "lambda", "(", ")"]
+
+
+def write_word_tokenizer(path, vocab_size: int) -> None:
+    """A tokenizer.json for a random-init checkpoint: the prompts' words, then one word per remaining id, split on
+    whitespace (the server needs some tokenizer to take text and stream it back)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    vocab.update({f"w{i}": i for i in range(len(WORDS), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w13"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.save(str(path))
+
+
 def server_log_tail(args, lines=40) -> str:
     with open(args.server_log) as f:
         return "".join(f.readlines()[-lines:])
@@ -127,18 +143,18 @@ def main() -> int:
         from pathlib import Path
 
         sys.path.insert(0, str(Path(__file__).parent))
-        from gpu import write_checkpoint  # noqa: E402 - bench/gpu.py
+        from gpu import SHAPE, write_checkpoint  # noqa: E402 - bench/gpu.py
 
         args.model = tempfile.mkdtemp(prefix="zoo_serve_1b_")
         write_checkpoint(Path(args.model), 16)
+        write_word_tokenizer(Path(args.model) / "tokenizer.json", SHAPE["vocab_size"])
     if args.server_log is None:
         import tempfile
 
         args.server_log = tempfile.mkstemp(prefix="zoo_serve_", suffix=".log")[1]
     rng = random.Random(0)
-    words = ["def", "class", "import", "return", "for", "while", "if", "self", "print", "yield", "lambda", "(", ")"]
     count = max(8, args.rounds * max(args.concurrency))
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 60))) for _ in range(count)]
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) for _ in range(count)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -373,3 +373,23 @@ def test_a_bad_server_setting_is_one_line_before_anything_loads(override, messag
                           timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(f"error: {message}")
     assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
+
+
+def test_a_checkpoint_without_a_tokenizer_takes_token_ids_and_refuses_text(model_dir, tmp_path):
+    """No tokenizer.json (a bare converted checkpoint): a text prompt is a 400 saying so, not a server error;
+    token ids are served."""
+    folder, _ = model_dir
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(folder / name, bare / name)
+    server = Served([f"model.path={bare}"], cwd=tmp_path)
+    try:
+        reply = raw(server, "/v1/completions", {"prompt": "def f(", "max_tokens": 4}, key=None)
+        assert reply.status_code == 400 and "no tokenizer.json" in reply.json()["error"]["message"]
+        ids = [5, 17, 99, 3]
+        reply = raw(server, "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0}, key=None)
+        assert reply.status_code == 200 and reply.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 6,
+                                                                       "total_tokens": 10}
+    finally:
+        server.stop()

@@ -277,7 +277,10 @@ class Server:
         items = []
         for p in prompts:
             item = {"prompt": p} if isinstance(p, str) else {"prompt_ids": p}
-            ids = self.llm.tokenizer.encode(p) if isinstance(p, str) else p
+            try:
+                ids = self.llm.tokenizer.encode(p) if isinstance(p, str) else p
+            except ZooError as exc:  # a checkpoint without tokenizer.json takes token ids only
+                raise APIError(400, str(exc), param="prompt") from None
             if len(ids) > self.max_prompt:
                 raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt}",
                                param="prompt", code="context_length_exceeded")
