@@ -160,8 +160,11 @@ def main() -> int:
         port = s.getsockname()[1]
     proc, base_url, model = start_server(args, port)
     try:
-        one_request(base_url, model, prompts[0], 4, [])  # warm-up
-        print(f"warm-up request done; the server's log so far:\n{server_log_tail(args)}", flush=True)
+        one_request(base_url, model, prompts[0], 4, [])
+        print(f"first request done; the server's log so far:\n{server_log_tail(args)}", flush=True)
+        # Warm-up at the widest concurrency: the step shapes it brings compile their kernel variants now (Triton
+        # caches them on disk, so the LLM.generate run below starts warm too), not inside the measured levels.
+        run_level(base_url, model, prompts[:max(args.concurrency)], 8, max(args.concurrency))
         levels = []
         for concurrency in args.concurrency:
             levels.append(run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens,
