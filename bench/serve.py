@@ -39,7 +39,8 @@ SESSION = HTTP.Client(limits=HTTP.Limits(max_connections=256, max_keepalive_conn
 
 def start_server(args, port):
     cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
-           f"runtime.max_num_seqs={max(args.concurrency)}"] + ([f"model.path={args.model}"] if args.model else [])
+           f"runtime.max_num_seqs={max(args.concurrency)}", *args.server_overrides] + (
+               [f"model.path={args.model}"] if args.model else [])
     log = open(args.server_log, "w")  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -136,6 +137,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None, help="write the figures here as JSON")
+    p.add_argument("--server-overrides", nargs="*", default=[], help="more `python -m zoo.serve` overrides")
+    p.add_argument("--skip-offline", action="store_true", help="measure the server only")
     p.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
     args = p.parse_args()
     if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
@@ -179,6 +182,8 @@ def main() -> int:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
+    if args.skip_offline:
+        return 0
     from zoo import LLM, SamplingParams
 
     llm = LLM(args.model, max_num_seqs=max(args.concurrency)) if args.model else LLM(max_num_seqs=max(args.concurrency))

@@ -640,6 +640,10 @@ def serve(cfg: DictConfig) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTING
     server = Server(cfg, llm)
+    # The engine thread and the HTTP thread share Python's lock. A thread that wants it waits for the holder to
+    # block or for this interval to pass; at Python's 5 ms, the HTTP thread's writes for 64 streams delayed every
+    # engine step (inter-token latency of 9 ms at concurrency 64 on the H200, where a step takes 1.5 ms).
+    sys.setswitchinterval(float(cfg.server.gil_switch_interval_ms) / 1000)
     server.loop.start()
     config = uvicorn.Config(build_app(server), host=str(cfg.server.host), port=int(cfg.server.port),
                             log_level="warning", timeout_graceful_shutdown=int(cfg.server.shutdown_timeout))
