@@ -98,8 +98,34 @@ def one_request(base_url, model, prompt, max_tokens, record):
                    "tokens": tokens})
 
 
-def run_level(base_url, model, prompts, max_tokens, concurrency):
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def process_group(server_pid: int) -> dict[str, int]:
+    """The server's HTTP process, its engine process (its child) and this client process."""
+    pids = {"client": os.getpid(), "http": server_pid}
+    try:
+        with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+            children = f.read().split()
+        for child in children:  # spawn's resource tracker is a child too
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"resource_tracker" not in f.read():
+                    pids["engine"] = int(child)
+    except OSError:
+        pass
+    return pids
+
+
+def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None):
     records, queue_lock, next_index = [], threading.Lock(), [0]
+    cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
 
     def worker():
         while True:
@@ -120,7 +146,9 @@ def run_level(base_url, model, prompts, max_tokens, concurrency):
     if len(records) < len(prompts):
         return None
     ttft = sorted(r["ttft"] for r in records)
-    return {"concurrency": concurrency, "requests": len(records), "seconds": wall,
+    # how busy each process kept its cores: on a small machine the client takes cores the engine would use
+    cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall for name, pid in (pids or {}).items()}
+    return {"concurrency": concurrency, "requests": len(records), "seconds": wall, "cpu_cores_busy": cpu,
             "output_tok_s": sum(r["tokens"] for r in records) / wall,
             "ttft_median_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
             "itl_mean_ms": 1000 * statistics.mean(r["itl"] for r in records)}
@@ -171,13 +199,14 @@ def main() -> int:
         levels = []
         for concurrency in args.concurrency:
             levels.append(run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens,
-                                    concurrency))
+                                    concurrency, process_group(proc.pid)))
             r = levels[-1]
             if r is None:
                 raise SystemExit(f"requests failed at concurrency {concurrency}; the server's last lines:\n"
                                  f"{server_log_tail(args)}")
             print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
-                  f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms",
+                  f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms; "
+                  "cores busy: " + ", ".join(f"{name} {busy:.2f}" for name, busy in r["cpu_cores_busy"].items()),
                   flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -104,7 +104,6 @@ SERVE = {  # zoo.serve's own keys
     "server.max_waiting_requests": Setting(int, 1),
     "server.shutdown_timeout": Setting(int, 0),
     "server.allowed_media_dir": Setting(str, optional=True),
-    "server.gil_switch_interval_ms": Setting(float, positive=True),
 }
 # Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
 TOP_LEVEL = {"model", "decoding", "runtime", "processor", "experiment", "prompt", "input", "output", "sampling",
