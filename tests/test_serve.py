@@ -393,3 +393,46 @@ def test_a_checkpoint_without_a_tokenizer_takes_token_ids_and_refuses_text(model
                                                                        "total_tokens": 10}
     finally:
         server.stop()
+
+
+def engine_process_of(server) -> int:
+    """The engine process: the server's child that is not multiprocessing's resource tracker."""
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        for child in f.read().split():
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                if b"resource_tracker" not in cmdline.read():
+                    return int(child)
+    raise AssertionError("no engine process")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the engine process through /proc")
+def test_a_dead_engine_process_ends_streams_with_an_error_and_health_says_so(model_dir, tmp_path):
+    """The engine runs in a process of its own. If it dies, a running stream ends with an error event and
+    [DONE] instead of hanging, /health answers 503, and a new request gets 503 at once."""
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}"], cwd=tmp_path)
+    try:
+        lines = []
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": "def f(", "max_tokens": 2000, "temperature": 0, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 2:
+                    os.kill(engine_process_of(server), signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]"
+        assert "the engine process stopped" in lines[-2]
+        assert httpx.get(server.url + "/health").status_code == 503
+        reply = raw(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key=None)
+        assert reply.status_code == 503 and "engine process has stopped" in reply.json()["error"]["message"]
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
+
+
+def test_an_engine_that_cannot_start_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zoo.serve", f"model.path={tmp_path / 'missing'}"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"error: checkpoint folder {tmp_path / 'missing'} does not exist"
+    assert "Traceback" not in proc.stderr

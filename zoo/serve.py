@@ -235,9 +235,11 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.reader.is_alive() and self.process.is_alive()
 
     def submit(self, submission: Submission) -> None:
+        if not self.alive:
+            raise APIError(503, "the engine process has stopped; restart the server")
         self.next_ident += 1
         submission.ident, submission.unfinished = self.next_ident, len(submission.items)
         self.submissions[submission.ident] = submission
