@@ -436,3 +436,21 @@ def test_an_engine_that_cannot_start_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: checkpoint folder {tmp_path / 'missing'} does not exist"
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the engine process through /proc")
+def test_the_engine_process_exits_when_the_http_process_is_killed(model_dir, tmp_path):
+    """A server killed outright (SIGKILL, no shutdown) leaves no engine process holding memory behind."""
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}"], cwd=tmp_path)
+    engine = engine_process_of(server)
+    server.proc.kill()
+    server.proc.wait(timeout=30)
+    deadline = time.time() + 30
+    while time.time() < deadline and os.path.exists(f"/proc/{engine}"):
+        with open(f"/proc/{engine}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited; its parent is gone, so nobody reaps it yet
+                break
+        time.sleep(0.1)
+    else:
+        assert not os.path.exists(f"/proc/{engine}"), "the engine process outlived the server"

@@ -97,11 +97,11 @@ class EngineLoop:
                             self._abort(ident)
                         return
                     self._handle(message)
+                if engine.has_work():
+                    self._step()
+                self._send()
             except (EOFError, OSError):  # the HTTP process is gone
                 return
-            if engine.has_work():
-                self._step()
-            self._send()
 
     def _handle(self, message) -> None:
         kind, ident = message[0], message[1]
