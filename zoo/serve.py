@@ -5,9 +5,10 @@
 Starlette (through FastAPI) and uvicorn handle HTTP (the ``serve`` extra); zoo supplies one engine loop. The
 engine runs in a process of its own: handlers hand it requests and aborts through a pipe, and it sends each
 step's tokens back in one message, which a reader thread hands to the handlers' event loop, so every HTTP
-request joins the running continuous batch as it arrives. Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``: server-sent
-events ending in ``data: [DONE]``), ``GET /v1/models`` (the base model and every adapter; a request selects an
-adapter by its name in ``model``), ``GET /health`` and ``GET /metrics`` (Prometheus).
+request joins the running continuous batch as it arrives. Endpoints: ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both with ``stream``: server-sent events ending in ``data: [DONE]``),
+``GET /v1/models`` (the base model and every adapter; a request selects an adapter by its name in ``model``),
+``GET /health`` and ``GET /metrics`` (Prometheus).
 
 Safe by default: it binds 127.0.0.1; ``server.api_key`` (or ``$ZOO_API_KEY``) requires ``Authorization:
 Bearer`` on every endpoint but ``/health``; bodies and prompts are capped; no request reads a file of the
@@ -632,10 +633,15 @@ def build_app(server: Server):
                 data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n"
 
+        # The chunk every token goes out in, as a template: only the text is encoded per chunk (the HTTP process
+        # writes one for every stream at every step)
+        head = chunk([{"index": 0}])[:-len('{"index": 0}]}\n\n')].replace("%", "%%")
+        delta_template = head + ('{"index": %d, "delta": {"content": %s}, "finish_reason": null, "logprobs": null}]}'
+                                 if chat else '{"index": %d, "text": %s, "finish_reason": null, "logprobs": null}]}')
+        delta_template += "\n\n"
+
         def delta_chunk(choice, text):
-            if chat:
-                return chunk([{"index": choice, "delta": {"content": text}, "finish_reason": None, "logprobs": None}])
-            return chunk([{"index": choice, "text": text, "finish_reason": None, "logprobs": None}])
+            return delta_template % (choice, json.dumps(text))
 
         outputs = [None] * prompts
         try:
