@@ -366,7 +366,7 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
     ("+server.nosuch=1", "server.nosuch: no such setting"),
     ("server.max_body_bytes=0", "server.max_body_bytes=0: must be an integer >= 1"),
     ("server.hots=x", "server.hots: no such setting (did you mean server.host?)"),
-    ("runtime.tensor_parallel_size=2", "python -m zoo.serve runs one rank"),
+    ("runtime.tensor_parallel_size=0", "runtime.tensor_parallel_size=0: must be"),
 ])
 def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zoo.serve", override], capture_output=True, text=True, cwd=tmp_path,
@@ -454,3 +454,54 @@ def test_the_engine_process_exits_when_the_http_process_is_killed(model_dir, tmp
         time.sleep(0.1)
     else:
         assert not os.path.exists(f"/proc/{engine}"), "the engine process outlived the server"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the engine processes through /proc")
+def test_tensor_parallel_serving_gives_one_process_tokens_and_a_dead_rank_is_503(model_dir, local, tmp_path):
+    """runtime.tensor_parallel_size=2 (gloo on CPU): two engine processes, rank 0 handing both the same requests
+    each step. Streamed and whole completions, several at once, equal the one-process Python API; a disconnect
+    frees its blocks; killing rank 1 makes the server answer 503 rather than hang."""
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "runtime.tensor_parallel_size=2"], cwd=tmp_path)
+    try:
+        with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        ranks = []
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                if b"resource_tracker" not in cmdline.read():
+                    ranks.append(child)
+        assert len(ranks) == 2
+        client, name = server.client(), server.model_name()
+        prompts = [f"def g{i}(x" for i in range(6)]
+        expected = [o.text for o in local.generate(prompts, SamplingParams(max_new_tokens=12))]
+        got = [None] * len(prompts)
+
+        def ask(i):
+            if i % 2:
+                chunks = client.completions.create(model=name, prompt=prompts[i], max_tokens=12, temperature=0,
+                                                   stream=True)
+                got[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+            else:
+                got[i] = client.completions.create(model=name, prompt=prompts[i], max_tokens=12,
+                                                   temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == expected
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": "def f(", "max_tokens": 400, "temperature": 0, "stream": True}) as reply:
+            assert next(reply.iter_lines()).startswith("data: ")
+        wait_idle(server)
+        os.kill(ranks[1], signal.SIGKILL)
+        deadline = time.time() + 30
+        while httpx.get(server.url + "/health").status_code != 503 and time.time() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(server.url + "/health").status_code == 503
+        reply = raw(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key=None)
+        assert reply.status_code == 503
+    finally:
+        server.stop()

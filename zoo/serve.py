@@ -75,10 +75,12 @@ class EngineLoop:
     writes streams: at concurrency 64 on the H200, one process for both spent about 7 ms per token on steps of
     1.5 ms."""
 
-    def __init__(self, llm, conn):
+    def __init__(self, llm, conn, control=None):
         from zoo.llm import TextDeltas
 
-        self.llm, self.engine, self.conn = llm, llm.engine, conn
+        # conn: the pipe to the HTTP process (tensor-parallel rank 0 only); control: under tensor parallelism,
+        # the group over which rank 0 hands every rank the same messages at the same point of the loop
+        self.llm, self.engine, self.conn, self.control = llm, llm.engine, conn, control
         self.owner: dict[int, tuple[int, int]] = {}  # group request id -> (submission, prompt index)
         self.requests_of: dict[int, list] = {}  # submission -> its zoo requests
         self.tokens_out = 0
@@ -87,22 +89,38 @@ class EngineLoop:
         self.deltas = TextDeltas(llm.tokenizer)
 
     def run(self) -> None:
-        engine = self.engine
         while True:
+            for message in self._messages():
+                if message[0] == "stop":
+                    for ident in list(self.requests_of):
+                        self._abort(ident)
+                    return
+                self._handle(message)
+            if self.engine.has_work():
+                self._step()
+            if self.conn is not None:
+                try:
+                    self._send()
+                except OSError:  # the HTTP process is gone: the next read says so
+                    pass
+
+    def _messages(self) -> list:
+        """What arrived since the last step; waits only when there is nothing to step. Under tensor parallelism
+        rank 0 reads the pipe and broadcasts what it read, so every rank adds, aborts and steps alike."""
+        messages = []
+        if self.conn is not None:
             try:
-                # everything that arrived; block only when there is nothing to step
-                while self.conn.poll(0 if engine.has_work() else None):
-                    message = self.conn.recv()
-                    if message[0] == "stop":
-                        for ident in list(self.requests_of):
-                            self._abort(ident)
-                        return
-                    self._handle(message)
-                if engine.has_work():
-                    self._step()
-                self._send()
+                while self.conn.poll(0 if self.engine.has_work() or messages else None):
+                    messages.append(self.conn.recv())
             except (EOFError, OSError):  # the HTTP process is gone
-                return
+                messages.append(("stop", None))
+        if self.control is not None:
+            import torch.distributed as dist
+
+            box = [messages]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            messages = box[0]
+        return messages
 
     def _handle(self, message) -> None:
         kind, ident = message[0], message[1]
@@ -118,6 +136,8 @@ class EngineLoop:
         try:
             stepped = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failing step fails its requests, not the server
+            if self.control is not None:  # ranks that may have parted ways: the engine process group ends
+                raise
             for ident in list(self.requests_of):
                 self.outbox.append((ident, ("error", f"the engine failed: {type(exc).__name__}: {exc}")))
                 self._abort(ident)
@@ -129,7 +149,7 @@ class EngineLoop:
             if owner is None:
                 continue
             ident, index = owner
-            if tokens and not request.error and not request.beam_hypotheses:
+            if tokens and not request.error and not request.beam_hypotheses and self.conn is not None:
                 text = self.deltas.delta(request, self.llm.text_of(request) if request.is_finished else None)
                 self.outbox.append((ident, ("delta", index, request.sample_index, tokens, text)))
             if request.group_finished:
@@ -174,23 +194,45 @@ class EngineLoop:
                 "tokens_per_request_step": engine.stats.generated_tokens / steps if steps else 0.0}
 
 
-def engine_process(config: dict, conn) -> None:
-    """The engine process: builds the LLM, tells the HTTP process what it serves, then runs :class:`EngineLoop`."""
+def engine_process(config: dict, conn, rank: int = 0, world: int = 1, port: int = 0) -> None:
+    """One engine process (one tensor-parallel rank of ``world``): builds the LLM, tells the HTTP process what it
+    serves (rank 0, the one with ``conn``), then runs :class:`EngineLoop`."""
     import traceback
 
     from omegaconf import OmegaConf
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the HTTP process, which stops this one in turn
+    if world > 1:  # what torchrun would give each rank
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+
+    def report(*message) -> None:
+        if conn is not None:
+            conn.send(message)
+        else:
+            print(f"error: {message[1]}", file=sys.stderr, flush=True)
+
     try:
         from zoo.llm import LLM
 
         llm = LLM(config=OmegaConf.create(config))
+        control = None
+        if world > 1:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            # the ranks wait here for rank 0's next messages however long the server idles
+            control = dist.new_group(backend="gloo", timeout=timedelta(days=30))
     except ZooError as exc:
-        conn.send(("failed", str(exc), EXIT_BAD_SETTING))
+        report("failed", str(exc), EXIT_BAD_SETTING)
         return
     except Exception as exc:  # noqa: BLE001 - reported by the HTTP process in one line, the trace kept here
         traceback.print_exc()
-        conn.send(("failed", f"the engine did not start: {type(exc).__name__}: {exc}", 1))
+        report("failed", f"the engine did not start: {type(exc).__name__}: {exc}", 1)
+        return
+    if conn is None:
+        serve_rank(llm, None, control)
         return
     engine = llm.engine
     folder = engine.checkpoint.folder
@@ -198,7 +240,20 @@ def engine_process(config: dict, conn) -> None:
                          "vocab_size": engine.description.vocab_size, "tokenizer": llm.tokenizer,
                          "folder": None if folder is None else str(folder),
                          "takes_images": "images" in engine.intake.fields}))
-    EngineLoop(llm, conn).run()
+    serve_rank(llm, conn, control)
+
+
+def serve_rank(llm, conn, control) -> None:
+    """Runs the loop until the HTTP process stops it or goes away. Under tensor parallelism, a failed collective
+    (another rank died) ends this rank with one line, and the process group is left cleanly otherwise."""
+    from zoo import parallel
+
+    try:
+        EngineLoop(llm, conn, control).run()
+    except Exception as exc:  # noqa: BLE001 - only under tensor parallelism: the ranks can no longer agree
+        print(f"error: zoo.serve engine rank stopped: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # the process group's teardown would wait on the rank that failed
+    parallel.leave()
 
 
 class EngineClient:
@@ -212,9 +267,15 @@ class EngineClient:
 
         context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and CUDA state
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=engine_process, args=(OmegaConf.to_container(cfg, resolve=True),
-                                                                    child), name="zoo-engine", daemon=True)
-        self.process.start()
+        config, world = OmegaConf.to_container(cfg, resolve=True), int(cfg.runtime.tensor_parallel_size)
+        port = free_port() if world > 1 else 0
+        # one process per tensor-parallel rank; rank 0 talks to this process, the others follow rank 0
+        self.ranks = [context.Process(target=engine_process, args=(config, child if rank == 0 else None, rank, world,
+                                                                  port), name=f"zoo-engine-{rank}", daemon=True)
+                      for rank in range(world)]
+        for process in self.ranks:
+            process.start()
+        self.process = self.ranks[0]
         child.close()
         self.info, self.failure = None, None
         try:
@@ -236,7 +297,7 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.reader.is_alive() and self.process.is_alive()
+        return self.reader.is_alive() and all(process.is_alive() for process in self.ranks)
 
     def submit(self, submission: Submission) -> None:
         if not self.alive:
@@ -252,9 +313,10 @@ class EngineClient:
 
     def stop(self) -> None:
         self._send(("stop", None))
-        self.process.join(timeout=60)
-        if self.process.is_alive():
-            self.process.kill()
+        for process in self.ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
 
     def _send(self, message) -> None:
         with self.send_lock:
@@ -285,6 +347,14 @@ class EngineClient:
         for submission in list(self.submissions.values()):  # every request still waiting fails, none hangs
             submission.loop.call_soon_threadsafe(_deliver, [(submission.events, (
                 "error", "the engine process stopped"))])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _deliver(events) -> None:
@@ -742,8 +812,6 @@ def serve(cfg: DictConfig) -> int:
 
     try:
         check_settings(cfg, run=True, serve=True)
-        if int(cfg.runtime.tensor_parallel_size) > 1:  # the engine loop would need rank 0 to hand requests on
-            raise ZooError("python -m zoo.serve runs one rank: runtime.tensor_parallel_size > 1 is not served yet")
         import fastapi  # noqa: F401 - the serve extra
         import uvicorn
     except ImportError as exc:
