@@ -130,7 +130,9 @@ def test_a_killed_rank_ends_the_others_with_one_clear_error(checkpoints, tmp_pat
 
 
 def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
-    """``python -m zoo.run runtime.tensor_parallel_size=2`` runs itself under torchrun; rank 0 writes the records."""
+    """``python -m zoo.run runtime.tensor_parallel_size=2`` runs itself under torchrun; rank 0 writes the records.
+    The two-rank run reads its requests from a pipe (``input.file=/dev/stdin``), which only one process can read:
+    rank 0 reads the input and hands it to rank 1."""
     import json
     import subprocess
     import sys
@@ -141,10 +143,12 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     outputs = {}
     for size in (1, 2):
         out = tmp_path / f"out{size}.jsonl"
-        done = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", f"input.file={tmp_path / 'in.jsonl'}",
+        source = tmp_path / "in.jsonl" if size == 1 else "/dev/stdin"
+        done = subprocess.run([sys.executable, "-m", "zoo.run", f"model.path={folder}", f"input.file={source}",
                                f"output.file={out}", "output.format=jsonl", "sampling.max_new_tokens=6",
                                "sampling.ignore_eos=true", f"runtime.tensor_parallel_size={size}"],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              input=(tmp_path / "in.jsonl").read_text(), capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         outputs[size] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
         if size == 2:

@@ -64,6 +64,13 @@ class TensorParallel:
             raise ZooError(f"tensor-parallel rank {self.rank} of {self.world}: the ranks disagree on {what}; every "
                            f"rank must be given the same requests in the same order")
 
+    def from_rank0(self, value):
+        """Rank 0's ``value`` (any picklable object) on every rank: what only rank 0 reads, such as the input."""
+        box = [value]
+        with self._collective("broadcast"):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def agree_on_min(self, value: int) -> int:
         """The smallest of the ranks' values (KV blocks: every rank must schedule the same cache)."""
         return int(self.all_reduce(torch.tensor([value], dtype=torch.int64, device=self.device),

@@ -189,7 +189,8 @@ def run(cfg: DictConfig) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return launch_ranks(int(cfg.runtime.tensor_parallel_size))
-    # Under tensor parallelism every rank runs the same requests; rank 0 alone writes records and reports.
+    # Under tensor parallelism rank 0 alone reads the input (it may be a pipe, or on rank 0's machine only) and
+    # hands every rank the same requests; rank 0 alone writes records and reports.
     main_rank = int(os.environ.get("RANK", 0)) == 0
     try:
         check_settings(cfg, run=True)
@@ -197,8 +198,9 @@ def run(cfg: DictConfig) -> int:
             raise ZooError("input.resume=true needs output.file (the records to continue from)")
         if cfg.output.stream and cfg.output.format != "jsonl":
             raise ZooError("output.stream=true writes JSONL token events: it needs output.format=jsonl")
-        records = read_requests(cfg)  # before the model loads: a bad input costs no loading time
-        skip = done_ids(Path(cfg.output.file)) if cfg.input.resume else set()
+        # before the model loads: a bad input costs no loading time
+        records = read_requests(cfg) if main_rank else []
+        skip = done_ids(Path(cfg.output.file)) if cfg.input.resume and main_rank else set()
         from zoo.llm import LLM, TextDeltas
 
         llm = LLM(config=cfg)
@@ -214,6 +216,12 @@ def run(cfg: DictConfig) -> int:
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of this rank's process
     print(f"model: {engine.checkpoint.source}", file=sys.stderr)
     todo = [r for r in records if json.dumps(r["id"]) not in skip]
+    if engine.parallel is not None:
+        try:
+            todo = engine.parallel.from_rank0(todo)
+        except ZooError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     if skip:
         print(f"resuming: {len(records) - len(todo)} of {len(records)} requests are already in {cfg.output.file}",
               file=sys.stderr)
