@@ -233,24 +233,23 @@ if want cpu; then
 fi
 
 # ---------------------------------------------------------------- optional: where the decode step's time goes
-if want profile; then
-  mkdir -p "$OUT/profile"
-  # shellcheck disable=SC2086
-  run_part "profile_gpu_step" "${PROFILE_CAP_S:-300}" "$OUT/profile/profile.log" \
-    with_tree current "$PY" "$ROOT/bench/profile_gpu_step.py" --out "$OUT/profile" ${PROFILE_ARGS:-}
-fi
+# bench_part NAME CAP_S SCRIPT FOLDER ARGS...: bench/SCRIPT on the current tree, with --out $OUT/FOLDER and its
+# log in $OUT/FOLDER/FOLDER.log
+bench_part() {
+  local name=$1 cap=$2 script=$3 folder=$4; shift 4
+  mkdir -p "$OUT/$folder"
+  run_part "$name" "$cap" "$OUT/$folder/$folder.log" with_tree current "$PY" "$ROOT/bench/$script" --out "$OUT/$folder" "$@"
+}
+# shellcheck disable=SC2086
+want profile && bench_part profile_gpu_step "${PROFILE_CAP_S:-300}" profile_gpu_step.py profile ${PROFILE_ARGS:-}
 if want gemv; then
   # shellcheck disable=SC2086
   run_part "gemv_kernel" "${GEMV_CAP_S:-200}" "$STAGE/gemv.log" \
     with_tree current "$PY" "$ROOT/bench/gemv_kernel.py" --out "$OUT/gemv.txt" ${GEMV_ARGS:-}
 fi
 
-if want offline; then
-  mkdir -p "$OUT/offline"
-  # shellcheck disable=SC2086
-  run_part "profile_offline" "${OFFLINE_CAP_S:-300}" "$OUT/offline/offline.log" \
-    with_tree current "$PY" "$ROOT/bench/profile_offline.py" --out "$OUT/offline" ${OFFLINE_ARGS:-}
-fi
+# shellcheck disable=SC2086
+want offline && bench_part profile_offline "${OFFLINE_CAP_S:-300}" profile_offline.py offline ${OFFLINE_ARGS:-}
 
 if want serve; then
   mkdir -p "$OUT/serve"
@@ -285,20 +284,12 @@ if want tests; then
 fi
 
 # ---------------------------------------------------------------- optional: speculative decoding end to end
-if want spec; then
-  mkdir -p "$OUT/spec"
-  # shellcheck disable=SC2086
-  run_part "speculative_gpu" "${SPEC_CAP_S:-540}" "$OUT/spec/spec.log" \
-    with_tree current "$PY" "$ROOT/bench/speculative_gpu.py" --out "$OUT/spec" ${SPEC_ARGS:-}
-fi
+# shellcheck disable=SC2086
+want spec && bench_part speculative_gpu "${SPEC_CAP_S:-540}" speculative_gpu.py spec ${SPEC_ARGS:-}
 
 # ---------------------------------------------------------------- optional: LoRA decode speed
-if want lora; then
-  mkdir -p "$OUT/lora"
-  # shellcheck disable=SC2086
-  run_part "lora_gpu" "${LORA_CAP_S:-300}" "$OUT/lora/lora.log" \
-    with_tree current "$PY" "$ROOT/bench/lora_gpu.py" --out "$OUT/lora" ${LORA_ARGS:-}
-fi
+# shellcheck disable=SC2086
+want lora && bench_part lora_gpu "${LORA_CAP_S:-300}" lora_gpu.py lora ${LORA_ARGS:-}
 
 # ---------------------------------------------------------------- optional: gpt-fast anchor (not in the default)
 if want anchor; then
