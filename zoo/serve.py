@@ -83,7 +83,6 @@ class EngineLoop:
         self.llm, self.engine, self.conn, self.control = llm, llm.engine, conn, control
         self.owner: dict[int, tuple[int, int]] = {}  # group request id -> (submission, prompt index)
         self.requests_of: dict[int, list] = {}  # submission -> its zoo requests
-        self.tokens_out = 0
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self.outbox: list[tuple[int, tuple]] = []  # (submission, event) of this step, sent together
         self.deltas = TextDeltas(llm.tokenizer)
@@ -98,11 +97,13 @@ class EngineLoop:
                 self._handle(message)
             if self.engine.has_work():
                 self._step()
-            if self.conn is not None:
-                try:
-                    self._send()
-                except OSError:  # the HTTP process is gone: the next read says so
-                    pass
+            if self.conn is None:  # another rank: rank 0 reports
+                self.outbox.clear()
+                continue
+            try:
+                self._send()
+            except OSError:  # the HTTP process is gone: the next read says so
+                pass
 
     def _messages(self) -> list:
         """What arrived since the last step; waits only when there is nothing to step. Under tensor parallelism
@@ -154,7 +155,6 @@ class EngineLoop:
                 self.outbox.append((ident, ("delta", index, request.sample_index, tokens, text)))
             if request.group_finished:
                 self._finish(request.group)
-        self.tokens_out += count
         self.recent = [(t, c) for t, c in self.recent if now - t < 10] + [(now, count)]
 
     def _send(self) -> None:
