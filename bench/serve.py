@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -186,10 +185,9 @@ def main() -> int:
     rng = random.Random(0)
     count = max(8, args.rounds * max(args.concurrency))
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) for _ in range(count)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc, base_url, model = start_server(args, port)
+    from zoo.serve import free_port
+
+    proc, base_url, model = start_server(args, free_port())
     try:
         one_request(base_url, model, prompts[0], 4, [])
         print(f"first request done; the server's log so far:\n{server_log_tail(args)}", flush=True)

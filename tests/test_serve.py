@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,16 +25,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from zoo import LLM, SamplingParams  # noqa: E402
+from zoo.serve import free_port  # noqa: E402
 
 KEY = "test-key-123"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

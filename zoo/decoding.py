@@ -170,7 +170,6 @@ CHECKPOINT_HEADS = "zoo_heads"  # <checkpoint>/zoo_heads/<method>/: the heads a 
 
 def heads_folder(engine, method: str) -> Path | None:
     """``decoding.heads``, else the checkpoint's own heads for ``method`` if it has them, else None (fresh)."""
-
     setting = engine.config["decoding"]["heads"]
     if setting:
         return Path(str(setting)).expanduser()

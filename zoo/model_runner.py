@@ -247,28 +247,28 @@ class ModelRunner:
             rows += range(first, first + n)
             query_lens.append(n)
             key_lens.append(n)
-        key_slots = buf["slot_mapping"][int64_tensor(rows).to(device, non_blocking=True)] if rows else None
+        prompt_rows = len(rows)
+        for b, first, n in layout.chunk_spans:
+            rows += range(first, first + n)
+            query_lens.append(n)
+            key_lens.append(layout.context_lens[b])
+        rows_on_device = int64_tensor(rows).to(device, non_blocking=True)
+        key_slots = buf["slot_mapping"][rows_on_device[:prompt_rows]]  # a whole prompt's keys are its own tokens
         if layout.chunk_spans:
             seqs = int64_tensor([b for b, _, _ in layout.chunk_spans]).to(device, non_blocking=True)
             num_blocks = max(-(-layout.context_lens[b] // bs) for b, _, _ in layout.chunk_spans)
             width = num_blocks * bs
             grid = (buf["block_tables"][seqs, :num_blocks, None] * bs
                     + torch.arange(bs, device=device)).flatten(1)  # [chunks, width]: slot of each cache index
-            picks = []
-            for k, (b, first, n) in enumerate(layout.chunk_spans):
-                rows += range(first, first + n)
-                query_lens.append(n)
-                key_lens.append(layout.context_lens[b])
-                picks += range(k * width, k * width + layout.context_lens[b])
-            chunk_slots = grid.flatten()[int64_tensor(picks).to(device, non_blocking=True)]
-            key_slots = chunk_slots if key_slots is None else torch.cat([key_slots, chunk_slots])
+            picks = [k * width + i for k, (b, _, _) in enumerate(layout.chunk_spans)
+                     for i in range(layout.context_lens[b])]
+            key_slots = torch.cat([key_slots, grid.flatten()[int64_tensor(picks).to(device, non_blocking=True)]])
 
         def cumulative(lengths):
             return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device, non_blocking=True)
 
-        return RaggedCausal(rows=int64_tensor(rows).to(device, non_blocking=True), key_slots=key_slots,
-                            cu_queries=cumulative(query_lens), cu_keys=cumulative(key_lens),
-                            longest_query=max(query_lens), longest_keys=max(key_lens))
+        return RaggedCausal(rows=rows_on_device, key_slots=key_slots, cu_queries=cumulative(query_lens),
+                            cu_keys=cumulative(key_lens), longest_query=max(query_lens), longest_keys=max(key_lens))
 
     def _dense_mask(self, num_tokens, num_seqs, max_query, num_blocks, visible) -> torch.Tensor:
         """``[B, 1, Q, keys]``: causal by cache index, windowed, and ancestors only inside a draft block."""

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +84,8 @@ class EngineLoop:
         self.llm, self.engine, self.conn, self.control = llm, llm.engine, conn, control
         self.owner: dict[int, tuple[int, int]] = {}  # group request id -> (submission, prompt index)
         self.requests_of: dict[int, list] = {}  # submission -> its zoo requests
-        self.recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
+        self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s of steps, for tokens/s
+        self.recent_tokens = 0  # their sum
         self.outbox: list[tuple[int, tuple]] = []  # (submission, event) of this step, sent together
         self.deltas = TextDeltas(llm.tokenizer)
 
@@ -155,7 +157,10 @@ class EngineLoop:
                 self.outbox.append((ident, ("delta", index, request.sample_index, tokens, text)))
             if request.group_finished:
                 self._finish(request.group)
-        self.recent = [(t, c) for t, c in self.recent if now - t < 10] + [(now, count)]
+        self.recent.append((now, count))
+        self.recent_tokens += count
+        while now - self.recent[0][0] >= 10:
+            self.recent_tokens -= self.recent.popleft()[1]
 
     def _send(self) -> None:
         self.conn.send(("events", self.outbox, self.state()))
@@ -190,7 +195,7 @@ class EngineLoop:
         return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "kv_blocks_used": engine.blocks.num_used_blocks, "kv_blocks_total": engine.num_blocks,
                 "generated_tokens": engine.stats.generated_tokens,
-                "tokens_per_second": sum(c for _, c in self.recent[1:]) / span if span > 0 else 0.0,
+                "tokens_per_second": (self.recent_tokens - self.recent[0][1]) / span if span > 0 else 0.0,
                 "tokens_per_request_step": engine.stats.generated_tokens / steps if steps else 0.0}
 
 
