@@ -257,6 +257,8 @@ if want serve; then
     "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" \
       --no-cache-dir "$pkg" > "$STAGE/install_$pkg.log" 2>&1 || echo "note: $pkg not installed"
   done
+  command -v py-spy > /dev/null || "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" --no-cache-dir \
+    py-spy > "$STAGE/install_py-spy.log" 2>&1 || echo "note: py-spy not installed (serve.py --py-spy needs it)"
   # shellcheck disable=SC2086
   run_part "serve_bench" "${SERVE_CAP_S:-300}" "$OUT/serve/serve.log" \
     with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve.json" --server-log "$OUT/serve/server.log" ${SERVE_ARGS:-}

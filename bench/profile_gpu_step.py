@@ -48,9 +48,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--variants", nargs="+", default=["main", "new"], choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["new"], choices=list(VARIANTS))
     p.add_argument("--table-rows", type=int, default=16)
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--num-kv-blocks", type=int, nargs="+", default=[0],
+                   help="one engine per value, in turn (0: the cache fills gpu_memory_utilization)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from zoo import LLM
@@ -63,13 +65,14 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp), args.layers)
-        for name in args.variants:
+        for name, blocks in [(n, b) for n in args.variants for b in args.num_kv_blocks]:
             apply(VARIANTS[name])
             llm = LLM(tmp, dtype="bfloat16", max_num_seqs=max(64, *args.batch), max_model_len=2048,
-                      max_num_batched_tokens=16384, gpu_memory_utilization=0.5)
+                      max_num_batched_tokens=8192, gpu_memory_utilization=0.85, num_kv_blocks=blocks or None)
             llm.engine.runner.fresh_causal_path = VARIANTS[name]["fresh"]
-            entry = report["variants"][name] = {"switches": VARIANTS[name], "decode": {}}
-            say(f"=== variant {name}: {VARIANTS[name]}")
+            key = f"{name} kv_blocks={llm.engine.num_blocks}"
+            entry = report["variants"][key] = {"switches": VARIANTS[name], "decode": {}}
+            say(f"=== variant {key}: {VARIANTS[name]}")
             for batch in args.batch:
                 entry["decode"][batch] = profile_decode(llm, batch, args.steps, args.table_rows, say)
             if not args.no_prefill:
@@ -84,19 +87,13 @@ def main() -> int:
     return 0
 
 
-def profile_decode(llm, batch, steps, table_rows, say) -> dict:
-    from zoo import SamplingParams
-
-    engine, runner = llm.engine, llm.engine.runner
-    g = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, engine.description.vocab_size, (batch, 128), generator=g).tolist()
-    llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
-    spent = defaultdict(float)
-    wrapped = {}
+def host_split(engine):
+    """``(spent, unwrap)``: seconds of host time per part of Engine.step, gathered in ``spent`` until unwrap()."""
+    spent, wrapped = defaultdict(float), []
 
     def timed(owner, attr, label):
         fn = getattr(owner, attr)
-        wrapped[(owner, attr)] = fn
+        wrapped.append((owner, attr))
 
         def wrapper(*a, **k):
             start = time.perf_counter()
@@ -105,10 +102,25 @@ def profile_decode(llm, batch, steps, table_rows, say) -> dict:
             return out
         setattr(owner, attr, wrapper)
 
-    timed(runner, "prepare", "prepare (host)")
-    timed(runner, "run", "run (graph launch)")
+    timed(engine.runner, "prepare", "prepare (host)")
+    timed(engine.runner, "run", "run (graph launch)")
     timed(engine.committer, "commit_step", "commit (argmax, sync, commit)")
     timed(engine.scheduler, "schedule", "schedule (host)")
+
+    def unwrap():
+        for owner, attr in wrapped:
+            owner.__dict__.pop(attr, None)
+    return spent, unwrap
+
+
+def profile_decode(llm, batch, steps, table_rows, say) -> dict:
+    from zoo import SamplingParams
+
+    engine, runner = llm.engine, llm.engine.runner
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, engine.description.vocab_size, (batch, 128), generator=g).tolist()
+    llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    spent, unwrap = host_split(engine)
     runs = {}
     for new_tokens in (33, 33 + steps):  # the difference of two runs: decode steps only, no prefill or ramp
         spent.clear()
@@ -117,8 +129,7 @@ def profile_decode(llm, batch, steps, table_rows, say) -> dict:
         llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         torch.cuda.synchronize()
         runs[new_tokens] = (time.perf_counter() - start, dict(spent))
-    for (owner, attr) in wrapped:
-        owner.__dict__.pop(attr, None)
+    unwrap()
     (short_s, short), (long_s, long) = runs[33], runs[33 + steps]
     step_ms = 1000 * (long_s - short_s) / steps
     split = {label: 1000 * (long[label] - short.get(label, 0.0)) / steps for label in long}
@@ -153,13 +164,29 @@ def profile_decode(llm, batch, steps, table_rows, say) -> dict:
             graph.replay()
             logits.argmax(-1)
         torch.cuda.synchronize()
+    kernels, rows, busy_total, gap_total = kernel_table(prof, replays)
+    say(f"batch {batch}: engine step {step_ms:.3f} ms; graph replay {graph_ms:.3f} ms; argmax {1000 * argmax_ms:.1f} us")
+    for label, ms in split.items():
+        say(f"  {label:32s} {ms:.3f} ms per step")
+    say(f"  kernels per step {len(kernels) / replays:.0f}: busy {busy_total / replays:.1f} us, "
+        f"gaps {gap_total / replays:.1f} us (under the profiler)")
+    print_table(rows, replays, table_rows, say)
+    return {"step_ms": step_ms, "graph_ms": graph_ms, "argmax_us": 1000 * argmax_ms, "split_ms": split,
+            "kernels_per_step": len(kernels) / replays, "busy_us": busy_total / replays,
+            "gap_us": gap_total / replays,
+            "kernels": [{"name": n, "per_step": c / replays, "us": b / replays, "gap_us": gp / replays}
+                        for n, (c, b, gp) in rows]}
+
+
+def kernel_table(prof, replays, max_gap_us=200.0):
+    """``(kernels, rows, busy us, gap us)``: rows are (name, [launches, busy us, gap-before us]), costliest first."""
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                       and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
-    table = defaultdict(lambda: [0, 0.0, 0.0])  # name -> launches, busy us, gap-before us
+    table = defaultdict(lambda: [0, 0.0, 0.0])
     gap_total, busy_total, previous_end = 0.0, 0.0, None
     for e in kernels:
         gap = max(0.0, e.time_range.start - previous_end) if previous_end is not None else 0.0
-        gap = gap if gap < 200 else 0.0  # the host's turn between replays is not a gap inside the step
+        gap = gap if gap < max_gap_us else 0.0  # the host's turn between replays is not a gap inside the step
         row = table[e.name]
         row[0] += 1
         row[1] += e.time_range.elapsed_us()
@@ -168,40 +195,54 @@ def profile_decode(llm, batch, steps, table_rows, say) -> dict:
         busy_total += e.time_range.elapsed_us()
         previous_end = e.time_range.end
     rows = sorted(table.items(), key=lambda kv: -kv[1][1] - kv[1][2])
-    say(f"batch {batch}: engine step {step_ms:.3f} ms; graph replay {graph_ms:.3f} ms; argmax {1000 * argmax_ms:.1f} us")
-    for label, ms in split.items():
-        say(f"  {label:32s} {ms:.3f} ms per step")
-    say(f"  kernels per step {len(kernels) / replays:.0f}: busy {busy_total / replays:.1f} us, "
-        f"gaps {gap_total / replays:.1f} us (under the profiler)")
+    return kernels, rows, busy_total, gap_total
+
+
+def print_table(rows, replays, table_rows, say) -> None:
     say("  | kernel | per step | us per step | gap before, us per step |")
     say("  |---|---|---|---|")
     for name, (count, busy, gap) in rows[:table_rows]:
         say(f"  | {name[:60]} | {count / replays:.0f} | {busy / replays:.1f} | {gap / replays:.1f} |")
-    return {"step_ms": step_ms, "graph_ms": graph_ms, "argmax_us": 1000 * argmax_ms, "split_ms": split,
-            "kernels_per_step": len(kernels) / replays, "busy_us": busy_total / replays,
-            "gap_us": gap_total / replays,
-            "kernels": [{"name": n, "per_step": c / replays, "us": b / replays, "gap_us": gp / replays}
-                        for n, (c, b, gp) in rows]}
 
 
-def profile_prefill(llm, say) -> dict:
+def profile_prefill(llm, say, table_rows=16) -> dict:
     from zoo import SamplingParams
 
     vocab = llm.engine.description.vocab_size
     results = {}
     for batch, length in ((1, 2048 - 8), (16, 1024)):
         g = torch.Generator().manual_seed(1000 + batch)
-        best = None
-        for _ in range(3):  # fresh random prompts each time: no prefix cache hits
+        best, best_split = None, None
+        for _ in range(5):  # fresh random prompts each time: no prefix cache hits
             prompts = torch.randint(0, vocab, (batch, length), generator=g).tolist()
+            spent, unwrap = host_split(llm.engine)
             torch.cuda.synchronize()
             start = time.perf_counter()
             llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            best = elapsed if best is None else min(best, elapsed)
-        results[f"{batch}x{length}"] = {"seconds": best, "tok_s": batch * length / best}
-        say(f"prefill {batch} x {length}: {1000 * best:.1f} ms, {batch * length / best:.0f} tok/s")
+            unwrap()
+            if best is None or elapsed < best:
+                best, best_split = elapsed, {label: 1000 * t for label, t in spent.items()}
+        results[f"{batch}x{length}"] = {"seconds": best, "tok_s": batch * length / best, "split_ms": best_split}
+        say(f"prefill {batch} x {length}: {1000 * best:.1f} ms, {batch * length / best:.0f} tok/s; "
+            + ", ".join(f"{label} {ms:.2f} ms" for label, ms in best_split.items()))
+        # Where that time goes: the kernels of one more such prefill, and the wall time around them.
+        prompts = torch.randint(0, vocab, (batch, length), generator=g).tolist()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
+            torch.cuda.synchronize()
+            wall_ms = 1000 * (time.perf_counter() - start)
+        kernels, rows, busy, gaps = kernel_table(prof, 1, max_gap_us=float("inf"))
+        say(f"  under the profiler {wall_ms:.1f} ms: {len(kernels)} kernels busy {busy / 1000:.2f} ms, "
+            f"gaps between them {gaps / 1000:.2f} ms, the rest (host before the first and after the last) "
+            f"{wall_ms - (kernels[-1].time_range.end - kernels[0].time_range.start) / 1000:.2f} ms")
+        print_table(rows, 1, table_rows, say)
+        results[f"{batch}x{length}"].update(
+            profiled_ms=wall_ms, kernels=len(kernels), busy_ms=busy / 1000, gap_ms=gaps / 1000,
+            table=[{"name": n, "count": c, "us": b, "gap_us": gp} for n, (c, b, gp) in rows])
     return results
 
 

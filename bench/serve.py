@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -122,9 +123,9 @@ def process_group(server_pid: int) -> dict[str, int]:
     return pids
 
 
-def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None):
+def client_threads(base_url, model, prompts, max_tokens, threads) -> list[dict]:
+    """``threads`` clients taking the prompts in turn, each streaming one request at a time."""
     records, queue_lock, next_index = [], threading.Lock(), [0]
-    cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
 
     def worker():
         while True:
@@ -135,20 +136,60 @@ def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None):
                 return
             one_request(base_url, model, prompts[i], max_tokens, records)
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in workers:
         t.start()
-    for t in threads:
+    for t in workers:
         t.join()
-    wall = time.perf_counter() - start
+    return records
+
+
+def client_process(base_url, model, prompts, max_tokens, threads, ready, go, results) -> None:
+    ready.put(1)
+    go.wait()
+    cpu = time.process_time()
+    records = client_threads(base_url, model, prompts, max_tokens, threads)
+    results.put((records, time.process_time() - cpu))  # its busy time during the level, not its start-up
+
+
+def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None, processes=1):
+    """One level: ``concurrency`` clients spread over ``processes`` client processes (one Python process parsing
+    64 streams fills a core, and would measure itself instead of the server)."""
+    processes = max(1, min(processes, concurrency))
+    cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
+    if processes == 1:
+        start = time.perf_counter()
+        records = client_threads(base_url, model, prompts, max_tokens, concurrency)
+        wall = time.perf_counter() - start
+    else:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh connection pool in each
+        ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=client_process, args=(base_url, model, prompts[k::processes], max_tokens,
+                                                          len(range(k, concurrency, processes)), ready, go, results))
+                 for k in range(processes)]
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            ready.get(timeout=120)  # started and imported: that time is not the level's
+        start = time.perf_counter()
+        go.set()
+        finished = [results.get(timeout=1200) for _ in procs]
+        wall = time.perf_counter() - start
+        records = [r for part, _ in finished for r in part]
+        children_cpu = sum(cpu for _, cpu in finished)
+        for proc in procs:
+            proc.join()
     if len(records) < len(prompts):
         return None
     ttft = sorted(r["ttft"] for r in records)
     # how busy each process kept its cores: on a small machine the client takes cores the engine would use
     cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall for name, pid in (pids or {}).items()}
-    return {"concurrency": concurrency, "requests": len(records), "seconds": wall, "cpu_cores_busy": cpu,
-            "output_tok_s": sum(r["tokens"] for r in records) / wall,
+    if pids and processes > 1:
+        cpu["client"] += children_cpu / wall
+    return {"concurrency": concurrency, "client_processes": processes, "requests": len(records), "seconds": wall,
+            "cpu_cores_busy": cpu, "output_tok_s": sum(r["tokens"] for r in records) / wall,
             "ttft_median_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
             "itl_mean_ms": 1000 * statistics.mean(r["itl"] for r in records)}
 
@@ -167,6 +208,10 @@ def main() -> int:
     p.add_argument("--server-overrides", nargs="*", default=[], help="more `python -m zoo.serve` overrides")
     p.add_argument("--skip-offline", action="store_true", help="measure the server only")
     p.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
+    p.add_argument("--py-spy", default=None, metavar="FILE",
+                   help="sample the engine process with py-spy during the widest level; collapsed stacks to FILE")
+    p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
+                   help="spread each level's clients over this many processes (default: a quarter of the cores)")
     args = p.parse_args()
     if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
         import tempfile
@@ -191,13 +236,24 @@ def main() -> int:
     try:
         one_request(base_url, model, prompts[0], 4, [])
         print(f"first request done; the server's log so far:\n{server_log_tail(args)}", flush=True)
-        # Warm-up at the widest concurrency: the step shapes it brings compile their kernel variants now (Triton
-        # caches them on disk, so the LLM.generate run below starts warm too), not inside the measured levels.
-        run_level(base_url, model, prompts[:max(args.concurrency)], 8, max(args.concurrency))
+        # Warm-up: a full round at the widest concurrency: the step shapes it brings compile their kernel variants
+        # now (Triton caches them on disk, so LLM.generate below starts warm too), not inside the measured levels.
+        run_level(base_url, model, prompts[:max(args.concurrency)], args.max_tokens, max(args.concurrency),
+                  processes=args.client_processes)
         levels = []
         for concurrency in args.concurrency:
+            spy = None
+            if args.py_spy and concurrency == max(args.concurrency) and "engine" in process_group(proc.pid):
+                spy_binary = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+                spy = subprocess.Popen([spy_binary, "record", "--pid", str(process_group(proc.pid)["engine"]),
+                                        "--rate", "250", "--format", "raw", "--output", args.py_spy,
+                                        "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                time.sleep(1)  # attached before the level starts
             levels.append(run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens,
-                                    concurrency, process_group(proc.pid)))
+                                    concurrency, process_group(proc.pid), args.client_processes))
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
+                spy.wait(timeout=60)
             r = levels[-1]
             if r is None:
                 raise SystemExit(f"requests failed at concurrency {concurrency}; the server's last lines:\n"

@@ -18,7 +18,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Parity is checked in float32; ZOO_DEVICE=cuda runs the same suite on a GPU.
 os.environ.setdefault("ZOO_DEVICE", "cpu")
 os.environ.setdefault("ZOO_DTYPE", "float32")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# On a GPU each engine's KV cache fills its gpu_memory_utilization share; tests keep many engines alive at once.
+os.environ.setdefault("ZOO_GPU_MEMORY_UTILIZATION", "0.02")
+# Under pytest-xdist (README's test command: two workers) each worker computes on one thread, so the two share
+# the machine's cores instead of each spinning on both.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 if not torch.cuda.is_available():
     # The Triton kernels' tests run in Triton's interpreter on CPU; it must be chosen before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")

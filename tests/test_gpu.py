@@ -321,3 +321,21 @@ def test_bfloat16_mixed_steps_through_the_ragged_call_follow_the_masked_path(che
                 near_ties += 1
                 break
     assert near_ties <= len(prompts) // 2
+
+
+def test_the_kv_cache_fills_the_engines_memory_share(checkpoints):
+    """runtime.gpu_memory_utilization: weights, the largest step's peak and the KV cache together take the share
+    (like vLLM), not max_num_seqs x max_model_len."""
+    folder, model = checkpoints["llama"]
+    total = torch.cuda.mem_get_info()[1]
+    share = 0.03
+    llm = LLM(str(folder), device="cuda", dtype="float32", gpu_memory_utilization=share, max_num_seqs=4,
+              max_model_len=64)
+    engine = llm.engine
+    per_block = engine.runner.kv.bytes_per_block()
+    own = engine.profile_peak_bytes - engine.allocated_before + engine.num_blocks * per_block
+    assert share * total - per_block <= own <= share * total
+    assert engine.num_blocks > 4 * 64 // engine.block_size * 100  # far more than the requests can hold at once
+    prompt = prompt_set()[0]
+    assert llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids == \
+        hf_greedy(model, prompt, 8)[0]

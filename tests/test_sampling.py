@@ -206,6 +206,60 @@ def test_stream_text_deltas_hold_back_incomplete_characters():
     assert pieces == ["", "é", "a", "", "", "€", "b"]
 
 
+CORPUS = ["Ça va? Don't stop — naïve café, 3.14 ... l'été", "日本語のテスト 😀 emoji 🚀 and “quotes”",
+          "def f(x):\n    return x ** 2  # squares", "The quick brown fox doesn't jump ; it's lazy ."] * 20
+
+
+def trained_tokenizer(kind: str):
+    """A small tokenizer of a common family, trained here (no download): byte-level BPE (GPT-2, Llama 3),
+    Metaspace BPE (SentencePiece-style: a dropped leading space at a window's start), WordPiece (its decoder
+    cleans up spaces before punctuation and joins ## pieces)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if kind == "byte_level_bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    elif kind == "metaspace_bpe":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"])
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(cleanup=True)
+        trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]"])
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["bytes", "byte_level_bpe", "metaspace_bpe", "wordpiece"])
+def test_text_deltas_decode_a_window_yet_equal_the_whole_decode(kind):
+    """Random token streams (broken multi-byte characters included): after every token the text given so far
+    is a prefix of the whole output's decode, and everything given equals it at the end."""
+    import random
+    from types import SimpleNamespace
+
+    from zoo.llm import TextDeltas
+    from zoo.tokenizer import ByteTokenizer
+
+    if kind == "bytes":
+        tokenizer, vocab = ByteTokenizer(), 256
+    else:
+        trained = trained_tokenizer(kind)
+        tokenizer, vocab = SimpleNamespace(decode=trained.decode), trained.get_vocab_size()
+    rng = random.Random(0)
+    for trial in range(40):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 80))]
+        request = SimpleNamespace(request_id=trial, output_token_ids=[], params=SimpleNamespace(stop=[]))
+        deltas, shown = TextDeltas(tokenizer), ""
+        for token in ids:
+            request.output_token_ids.append(token)
+            shown += deltas.delta(request)
+            assert tokenizer.decode(request.output_token_ids).startswith(shown)
+        shown += deltas.delta(request, tokenizer.decode(ids))
+        assert shown == tokenizer.decode(ids) and not deltas.state
+
+
 def test_stream_never_shows_text_a_stop_string_cuts():
     llm = LLM(model="gpt2", plugins=[Force(list(b"xaby"))])
     params = SamplingParams(max_new_tokens=4, stop=["ab"])

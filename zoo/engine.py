@@ -62,6 +62,8 @@ class Engine:
         self.plugin_manager = load_plugins(disable=config["plugins"]["disable"] or (), extra=extra_plugins)
         self.hooks = self.plugin_manager.hook
         self.device, self.dtype = device_and_dtype(runtime)
+        # What the process held before this engine: not counted in its gpu_memory_utilization share.
+        self.allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.checkpoint = open_checkpoint(config["model"], self.plugin_manager)
         self.description, self.tokenizer = self.checkpoint.description, self.checkpoint.tokenizer
         check_model_option(config["model"], self.description.architecture, self.plugin_manager)
@@ -131,7 +133,7 @@ class Engine:
         self.setup = EngineSetup(runner)
         self.hooks.zoo_engine_start(engine=self, setup=self.setup)
         self.num_blocks, self.profile_peak_bytes = plan_num_blocks(runtime, runner.kv, runner.profile_peak_memory,
-                                                                   blocks_per_seq * max_num_seqs)
+                                                                   blocks_per_seq * max_num_seqs, self.allocated_before)
         if self.parallel is not None:  # the same schedule on every rank needs the same cache
             self.num_blocks = self.parallel.agree_on_min(self.num_blocks)
         runner.kv.allocate(self.num_blocks)

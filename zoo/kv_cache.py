@@ -76,23 +76,35 @@ class KVCache:
             self.tensor[:, :, torch.tensor(targets, device=self.device)] = self.tensor[:, :, index]
 
 
-def plan_num_blocks(runtime, kv: KVCache, profile_step, useful_blocks: int) -> tuple[int, int | None]:
+def plan_num_blocks(runtime, kv: KVCache, profile_step, useful_blocks: int,
+                    allocated_before: int = 0) -> tuple[int, int | None]:
     """``(blocks, peak bytes of a full step or None)`` from ``runtime.num_kv_blocks`` or the memory budget.
 
-    On CUDA ``profile_step()`` runs the largest step (weights, plugins' buffers and activations
-    included) and returns its peak; the cache takes what is left of the budget.
+    On CUDA the cache takes what is left of ``gpu_memory_utilization`` x the device's memory once this
+    engine's own peak is counted: ``profile_step()`` runs the largest step (weights, plugins' buffers and
+    activations included) and returns the process's peak, of which ``allocated_before`` (tensors that
+    were there before this engine started, another engine's for one) is not this engine's. Like vLLM,
+    the cache is not capped by what ``max_num_seqs`` sequences of ``max_model_len`` can use: more blocks
+    keep more prefixes cached. It never takes more than is free, so a second engine or another
+    process on the device gets a clear error instead of an out-of-memory in a step.
+    On CPU ``cpu_kv_cache_gb`` is the budget, capped at ``useful_blocks``.
     """
     if runtime["num_kv_blocks"]:
         return int(runtime["num_kv_blocks"]), None
     per_block = kv.bytes_per_block()
-    peak = None
-    if kv.device.type == "cuda":
-        peak = profile_step()
-        _, total = torch.cuda.mem_get_info(kv.device)
-        budget = total * float(runtime["gpu_memory_utilization"]) - peak
-        if budget < per_block:
-            raise ZooError(f"no GPU memory left for the KV cache: a step peaks at {peak / 2**30:.2f} GiB; raise "
-                           "runtime.gpu_memory_utilization or lower runtime.max_num_batched_tokens")
-    else:
+    if kv.device.type != "cuda":
         budget = float(runtime["cpu_kv_cache_gb"]) * 2**30
-    return max(1, min(int(budget // per_block), useful_blocks)), peak
+        return max(1, min(int(budget // per_block), useful_blocks)), None
+    peak = profile_step()
+    own_peak = peak - allocated_before
+    activations = peak - torch.cuda.memory_allocated(kv.device)  # needed again by every full step
+    free, total = torch.cuda.mem_get_info(kv.device)
+    unused_reserved = torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
+    share = total * float(runtime["gpu_memory_utilization"]) - own_peak
+    budget = min(share, free + unused_reserved - activations)
+    if budget < per_block:
+        raise ZooError(f"no GPU memory left for the KV cache: this engine peaks at {own_peak / 2**30:.2f} GiB "
+                       f"of its {total * float(runtime['gpu_memory_utilization']) / 2**30:.2f} GiB share "
+                       f"(runtime.gpu_memory_utilization), {free / 2**30:.2f} GiB free on the device; raise "
+                       "runtime.gpu_memory_utilization, lower runtime.max_num_batched_tokens or free the device")
+    return int(budget // per_block), peak

@@ -187,7 +187,7 @@ class EngineLoop:
                 self.engine.abort(request)
                 self.owner.pop(request.request_id, None)
                 for member in request.samples or [request]:
-                    self.deltas.sent.pop(member.request_id, None)  # its text will not be asked for again
+                    self.deltas.forget(member)  # its text will not be asked for again
 
     def state(self) -> dict:
         engine, steps = self.engine, self.engine.stats.token_steps

@@ -56,9 +56,14 @@ def available() -> bool:
     return triton is not None
 
 
+# The partial results' strides follow the step's split count. Triton would compile a variant per stride class
+# (1, a multiple of 16, other), which mixed steps of a server meet one by one, each a compile of 100+ ms in the
+# middle of serving; these strides are not on the innermost dimension, so the hint buys nothing.
+SPLIT_STRIDES = ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh")
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=SPLIT_STRIDES)
     def _paged_decode_kernel(
         Q, KCache, VCache, OutPartial, LsePartial,
         BlockTables, ContextLens, TokenSeq, QueryCacheIndex, DraftStart, DraftVisible,
@@ -141,7 +146,7 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=SPLIT_STRIDES)
     def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
                              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
                              HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
