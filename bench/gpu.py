@@ -21,6 +21,7 @@ a subprocess of the same session after zoo, and the table and plot show zoo / gp
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -301,6 +302,7 @@ def main(argv=None) -> int:
                             "device_GiB": total / 2**30, "free_GiB": free / 2**30,
                             "gpu_memory_utilization": 0.85}
         llm = engine = None  # free the KV cache before transformers loads
+        gc.collect()
         torch.cuda.empty_cache()
         write_reports(record, out)  # each stage's figures are kept even if a later one runs out of time
         if args.gpt_fast:

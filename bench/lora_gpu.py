@@ -14,6 +14,7 @@ the 8-adapter case says where the time goes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
     for b in (1, 64):
         record("base, engine without adapters", b, base[b])
     del llm
+    gc.collect()  # an engine's KV cache fills its share: free it before the next engine starts
     torch.cuda.empty_cache()
     llm = LLM(str(work / "base"), adapters=adapters, max_loras=8, max_lora_rank=args.rank, **common)
     for b in (1, 64):

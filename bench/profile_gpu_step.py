@@ -15,6 +15,7 @@ Writes OUT/profile.json and OUT/profile.txt (the tables as printed).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -78,6 +79,7 @@ def main() -> int:
             if not args.no_prefill:
                 entry["prefill"] = profile_prefill(llm, say)
             del llm
+            gc.collect()  # an engine's KV cache fills its share: free it before the next engine starts
             torch.cuda.empty_cache()
     if args.out:
         out = Path(args.out)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -124,9 +125,17 @@ def method_rows(target: Path, heads: dict, prompts, new_tokens: int) -> list[dic
             rows.append(row)
             log(f"{row['method']:9} batch {batch:3}: {tok_s:9.1f} tok/s  x{row['speedup']:.2f}  accepted "
                 f"{row['accepted_length']:.2f}  identical {row['identical_sequences']}/{batch}")
-        del llm
-        torch.cuda.empty_cache()
+        release(llm)
+        llm = None
     return rows
+
+
+def release(llm) -> None:
+    """Drop an engine's memory before the next one starts: its KV cache fills its share of the GPU, and an
+    engine started beside it gets only what is left free."""
+    llm.engine.runner.kv.release()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def phase_profile(llm, prompts, new_tokens: int) -> dict:
@@ -199,8 +208,7 @@ def verify_step_cost(folder: Path, drafts=(16, 32, 64), new_tokens: int = 64) ->
         phases[n] = phase_profile(llm, [[1] * 128], new_tokens)
         log(f"1B shape, batch 1: {'plain' if n == 0 else f'verify {n}':>10}: {costs[n]:.3f} ms per step; graphs "
             f"{dict(llm.engine.runner.graphs.replays)}; phases {phases[n]}")
-        del llm
-        torch.cuda.empty_cache()
+        release(llm)
     return {"ms_per_step": costs, "ratio_to_plain": {n: round(costs[n] / costs[0], 3) for n in drafts},
             "phases": phases}
 
