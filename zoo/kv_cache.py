@@ -85,8 +85,9 @@ def plan_num_blocks(runtime, kv: KVCache, profile_step, useful_blocks: int,
     activations included) and returns the process's peak, of which ``allocated_before`` (tensors that
     were there before this engine started, another engine's for one) is not this engine's. Like vLLM,
     the cache is not capped by what ``max_num_seqs`` sequences of ``max_model_len`` can use: more blocks
-    keep more prefixes cached. It never takes more than is free, so a second engine or another
-    process on the device gets a clear error instead of an out-of-memory in a step.
+    keep more prefixes cached. It never takes more than is free: an engine started beside another (or
+    beside another process) gets what is left, and one error line when that is not one block, instead
+    of running out of memory in a step.
     On CPU ``cpu_kv_cache_gb`` is the budget, capped at ``useful_blocks``.
     """
     if runtime["num_kv_blocks"]:
