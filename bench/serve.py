@@ -242,15 +242,15 @@ def main() -> int:
                   processes=args.client_processes)
         levels = []
         for concurrency in args.concurrency:
-            spy = None
-            if args.py_spy and concurrency == max(args.concurrency) and "engine" in process_group(proc.pid):
+            spy, pids = None, process_group(proc.pid)
+            if args.py_spy and concurrency == max(args.concurrency) and "engine" in pids:
                 spy_binary = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-                spy = subprocess.Popen([spy_binary, "record", "--pid", str(process_group(proc.pid)["engine"]),
+                spy = subprocess.Popen([spy_binary, "record", "--pid", str(pids["engine"]),
                                         "--rate", "250", "--format", "raw", "--output", args.py_spy,
                                         "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 time.sleep(1)  # attached before the level starts
             levels.append(run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens,
-                                    concurrency, process_group(proc.pid), args.client_processes))
+                                    concurrency, pids, args.client_processes))
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
                 spy.wait(timeout=60)
