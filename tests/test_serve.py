@@ -499,3 +499,24 @@ def test_tensor_parallel_serving_gives_one_process_tokens_and_a_dead_rank_is_503
         assert reply.status_code == 503
     finally:
         server.stop()
+
+
+def test_the_engine_loop_sends_text_deltas_only_for_streams(local):
+    """A non-streamed request's handler reads only its output: the engine loop decodes no text for it along the
+    way and sends no delta events, while a streamed one beside it gets deltas that concatenate to its text."""
+    from zoo.serve import EngineLoop
+
+    loop = EngineLoop(local, conn=object())  # a connection is only sent to in run(), which this test does not call
+    values = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    loop._handle(("add", 1, [({"prompt": "def main():"}, values)], True))
+    loop._handle(("add", 2, [({"prompt": "def main():"}, values)], False))
+    events = []
+    while local.engine.has_work():
+        loop._step()
+        events += loop.outbox
+        loop.outbox = []
+    deltas = {ident: "".join(e[4] for i, e in events if i == ident and e[0] == "delta") for ident in (1, 2)}
+    outputs = {ident: e[2] for ident, e in events if e[0] == "finished"}
+    assert outputs[1].text == outputs[2].text == local.generate(["def main():"], SamplingParams(**values))[0].text
+    assert outputs[1].text and deltas[1] == outputs[1].text and deltas[2] == ""
+    assert not loop.streamed and not loop.deltas.state and not loop.requests_of

@@ -64,6 +64,7 @@ class Submission:
     events: asyncio.Queue
     ident: int = 0  # its number between the server and the engine process
     unfinished: int = 0  # prompts the engine has not finished
+    stream: bool = True  # whether its handler writes text as it comes (else the engine sends only the outputs)
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -84,6 +85,7 @@ class EngineLoop:
         self.llm, self.engine, self.conn, self.control = llm, llm.engine, conn, control
         self.owner: dict[int, tuple[int, int]] = {}  # group request id -> (submission, prompt index)
         self.requests_of: dict[int, list] = {}  # submission -> its zoo requests
+        self.streamed: set[int] = set()  # submissions whose handlers stream: only theirs get text deltas
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s of steps, for tokens/s
         self.recent_tokens = 0  # their sum
         self.outbox: list[tuple[int, tuple]] = []  # (submission, event) of this step, sent together
@@ -131,7 +133,7 @@ class EngineLoop:
             self._abort(ident)
             return
         try:
-            self._add(ident, message[2])
+            self._add(ident, message[2], message[3])
         except Exception as exc:  # noqa: BLE001 - one request's failure, never the engine's
             self.outbox.append((ident, ("error", f"{type(exc).__name__}: {exc}")))
 
@@ -152,7 +154,8 @@ class EngineLoop:
             if owner is None:
                 continue
             ident, index = owner
-            if tokens and not request.error and not request.beam_hypotheses and self.conn is not None:
+            if (tokens and ident in self.streamed and not request.error and not request.beam_hypotheses
+                    and self.conn is not None):
                 text = self.deltas.delta(request, self.llm.text_of(request) if request.is_finished else None)
                 self.outbox.append((ident, ("delta", index, request.sample_index, tokens, text)))
             if request.group_finished:
@@ -166,8 +169,10 @@ class EngineLoop:
         self.conn.send(("events", self.outbox, self.state()))
         self.outbox = []
 
-    def _add(self, ident: int, items) -> None:
+    def _add(self, ident: int, items, stream: bool) -> None:
         requests = self.requests_of[ident] = []
+        if stream:
+            self.streamed.add(ident)
         for index, (item, overrides) in enumerate(items):
             request = self.llm._add(item, overrides, index)
             requests.append(request)
@@ -180,8 +185,10 @@ class EngineLoop:
         self.outbox.append((ident, ("finished", index, self.llm.output_of(request))))
         if not any(self.owner.get(r.request_id, (None,))[0] == ident for r in self.requests_of.get(ident, ())):
             self.requests_of.pop(ident, None)
+            self.streamed.discard(ident)
 
     def _abort(self, ident: int) -> None:
+        self.streamed.discard(ident)
         for request in self.requests_of.pop(ident, ()):
             if request.request_id in self.owner and not request.group_finished:
                 self.engine.abort(request)
@@ -310,7 +317,7 @@ class EngineClient:
         self.next_ident += 1
         submission.ident, submission.unfinished = self.next_ident, len(submission.items)
         self.submissions[submission.ident] = submission
-        self._send(("add", submission.ident, submission.items))
+        self._send(("add", submission.ident, submission.items, submission.stream))
 
     def abort(self, submission: Submission) -> None:
         if self.submissions.pop(submission.ident, None) is not None:
@@ -670,7 +677,8 @@ def build_app(server: Server):
                 raise APIError(400, "prompt is required", param="prompt")
             items = server.prompt_items(body["prompt"], adapter)
         loop = asyncio.get_running_loop()
-        submission = Submission([(item, values) for item in items], loop, asyncio.Queue())
+        submission = Submission([(item, values) for item in items], loop, asyncio.Queue(),
+                                stream=bool(body.get("stream")))
         server.engine.submit(submission)
         kind = "chat.completion" if chat else "text_completion"
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
