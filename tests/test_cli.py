@@ -67,6 +67,13 @@ def test_a_bad_setting_is_one_line_before_anything_loads(override, message, tmp_
     assert "loading weights" not in proc.stderr  # nothing loaded
 
 
+def test_a_bad_memory_share_in_the_environment_is_one_line(tmp_path):
+    """$ZOO_GPU_MEMORY_UTILIZATION is runtime.gpu_memory_utilization's default, checked like the setting."""
+    proc = subprocess.run([sys.executable, "-m", "zoo.run"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=180, env={**ENV, "ZOO_GPU_MEMORY_UTILIZATION": "most"})
+    assert_one_line(proc, "runtime.gpu_memory_utilization='most': must be a number in [0.01, 1.0]")
+
+
 def test_cuda_on_a_machine_without_it_is_one_line(tmp_path):
     import torch
 
