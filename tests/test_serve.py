@@ -190,6 +190,14 @@ def test_n_logprobs_and_penalties_map_onto_sampling(served, local):
                                                               logprobs=2, frequency_penalty=0.5))
     assert [c.text for c in reply.choices] == [s.text for o in outs for s in o.samples]
     assert len(reply.choices[0].logprobs.tokens) == 5 and len(reply.choices[0].logprobs.top_logprobs[0]) == 2
+    # streamed, three samples a prompt (each may end at its own step): each choice's text in its own chunks
+    settings = dict(max_tokens=12, temperature=0.9, n=3, seed=4)
+    reply = client.completions.create(model=served.model_name(), prompt=["import", "class"], **settings)
+    chunks = list(client.completions.create(model=served.model_name(), prompt=["import", "class"], stream=True,
+                                            **settings))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(6)]
+    assert streamed == [c.text for c in reply.choices]
 
 
 def raw(served, path, body=None, key=KEY, method="POST", content=None):
@@ -501,10 +509,11 @@ def test_tensor_parallel_serving_gives_one_process_tokens_and_a_dead_rank_is_503
         server.stop()
 
 
-def test_the_engine_loop_sends_text_deltas_only_for_streams(local):
-    """A non-streamed request's handler reads only its output: the engine loop decodes no text for it along the
-    way and sends no delta events, while a streamed one beside it gets deltas that concatenate to its text."""
-    from zoo.serve import EngineLoop
+def test_the_engine_loop_sends_tokens_only_for_streams_and_the_handler_decodes_them(local):
+    """A non-streamed request's handler reads only its output: the engine loop sends no tokens for it along the
+    way. A streamed one beside it gets each step's tokens, which the HTTP side decodes (StreamedText) into
+    deltas that concatenate to its text."""
+    from zoo.serve import EngineLoop, StreamedText
 
     loop = EngineLoop(local, conn=object())  # a connection is only sent to in run(), which this test does not call
     values = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -515,8 +524,29 @@ def test_the_engine_loop_sends_text_deltas_only_for_streams(local):
         loop._step()
         events += loop.outbox
         loop.outbox = []
-    deltas = {ident: "".join(e[4] for i, e in events if i == ident and e[0] == "delta") for ident in (1, 2)}
+    assert {ident for ident, e in events if e[0] == "tokens"} == {1}
+    texts, streamed = StreamedText(local.tokenizer), ""
+    for ident, event in events:
+        if ident == 1 and event[0] == "tokens":
+            streamed += texts.add(*event[2:])
     outputs = {ident: e[2] for ident, e in events if e[0] == "finished"}
+    streamed += texts.finish(0, outputs[1].text)  # given with the last tokens already: nothing more
     assert outputs[1].text == outputs[2].text == local.generate(["def main():"], SamplingParams(**values))[0].text
-    assert outputs[1].text and deltas[1] == outputs[1].text and deltas[2] == ""
-    assert not loop.streamed and not loop.deltas.state and not loop.requests_of
+    assert outputs[1].text and streamed == outputs[1].text
+    assert not loop.streamed and not loop.requests_of and not texts.choices and texts.done == {0}
+
+
+def test_a_stream_never_shows_text_a_stop_string_cuts(served, local):
+    """Stop strings are held back in the HTTP process's decoding too: the streamed text equals the cut output."""
+    client = served.client()
+    full = client.completions.create(model=served.model_name(), prompt="def main(", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # a string the output reaches in its middle
+    assert stop
+    reply = client.completions.create(model=served.model_name(), prompt="def main(", max_tokens=24, temperature=0,
+                                      stop=[stop])
+    chunks = list(client.completions.create(model=served.model_name(), prompt="def main(", max_tokens=24,
+                                            temperature=0, stop=[stop], stream=True))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == reply.choices[0].text == text[:text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
