@@ -509,11 +509,10 @@ def test_tensor_parallel_serving_gives_one_process_tokens_and_a_dead_rank_is_503
         server.stop()
 
 
-def test_the_engine_loop_sends_tokens_only_for_streams_and_the_handler_decodes_them(local):
-    """A non-streamed request's handler reads only its output: the engine loop sends no tokens for it along the
-    way. A streamed one beside it gets each step's tokens, which the HTTP side decodes (StreamedText) into
-    deltas that concatenate to its text."""
-    from zoo.serve import EngineLoop, StreamedText
+def test_the_engine_loop_sends_text_deltas_only_for_streams(local):
+    """A non-streamed request's handler reads only its output: the engine loop decodes no text for it along the
+    way and sends no delta events, while a streamed one beside it gets deltas that concatenate to its text."""
+    from zoo.serve import EngineLoop
 
     loop = EngineLoop(local, conn=object())  # a connection is only sent to in run(), which this test does not call
     values = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -524,20 +523,15 @@ def test_the_engine_loop_sends_tokens_only_for_streams_and_the_handler_decodes_t
         loop._step()
         events += loop.outbox
         loop.outbox = []
-    assert {ident for ident, e in events if e[0] == "tokens"} == {1}
-    texts, streamed = StreamedText(local.tokenizer), ""
-    for ident, event in events:
-        if ident == 1 and event[0] == "tokens":
-            streamed += texts.add(*event[2:])
+    deltas = {ident: "".join(e[4] for i, e in events if i == ident and e[0] == "delta") for ident in (1, 2)}
     outputs = {ident: e[2] for ident, e in events if e[0] == "finished"}
-    streamed += texts.finish(0, outputs[1].text)  # given with the last tokens already: nothing more
     assert outputs[1].text == outputs[2].text == local.generate(["def main():"], SamplingParams(**values))[0].text
-    assert outputs[1].text and streamed == outputs[1].text
-    assert not loop.streamed and not loop.requests_of and not texts.choices and texts.done == {0}
+    assert outputs[1].text and deltas[1] == outputs[1].text and deltas[2] == ""
+    assert not loop.streamed and not loop.deltas.state and not loop.requests_of
 
 
 def test_a_stream_never_shows_text_a_stop_string_cuts(served, local):
-    """Stop strings are held back in the HTTP process's decoding too: the streamed text equals the cut output."""
+    """A stream holds back what may start a stop string: the streamed text equals the cut output."""
     client = served.client()
     full = client.completions.create(model=served.model_name(), prompt="def main(", max_tokens=24, temperature=0)
     text = full.choices[0].text

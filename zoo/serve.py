@@ -30,7 +30,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
@@ -68,37 +67,6 @@ class Submission:
     stream: bool = True  # whether its handler writes text as it comes (else the engine sends only the outputs)
 
 
-class StreamedText:
-    """A streamed HTTP request's text, decoded in the HTTP process as its tokens arrive, so that the engine's loop
-    only steps (vLLM's front end detokenizes for the same reason): each choice's tokens go through
-    :class:`zoo.llm.TextDeltas`, and when it finishes, the rest of its final text."""
-
-    def __init__(self, tokenizer):
-        from zoo.llm import TextDeltas
-
-        self.deltas = TextDeltas(tokenizer)
-        self.choices: dict[int, SimpleNamespace] = {}  # choice -> what TextDeltas reads of a request
-        self.done: set[int] = set()  # choices whose whole text has been given
-
-    def add(self, choice: int, tokens: list[int], stop, final: str | None = None) -> str:
-        """A step's tokens of a choice; ``final``: its text, when this step finished it (a stop string may have
-        cut it: decoding the tokens would show what the cut removes)."""
-        record = self.choices.get(choice)
-        if record is None:
-            record = self.choices[choice] = SimpleNamespace(request_id=choice, output_token_ids=[],
-                                                           params=SimpleNamespace(stop=stop))
-        record.output_token_ids += tokens
-        return self.deltas.delta(record) if final is None else self.finish(choice, final)
-
-    def finish(self, choice: int, text: str) -> str:
-        """The rest of a finished choice's text (nothing where it was given already)."""
-        if choice in self.done:
-            return ""
-        self.done.add(choice)
-        record = self.choices.pop(choice, None)
-        return text if record is None else self.deltas.delta(record, text)
-
-
 # ---------------------------------------------------------------------------------------------- the engine
 
 class EngineLoop:
@@ -110,15 +78,18 @@ class EngineLoop:
     1.5 ms."""
 
     def __init__(self, llm, conn, control=None):
+        from zoo.llm import TextDeltas
+
         # conn: the pipe to the HTTP process (tensor-parallel rank 0 only); control: under tensor parallelism,
         # the group over which rank 0 hands every rank the same messages at the same point of the loop
         self.llm, self.engine, self.conn, self.control = llm, llm.engine, conn, control
         self.owner: dict[int, tuple[int, int]] = {}  # group request id -> (submission, prompt index)
         self.requests_of: dict[int, list] = {}  # submission -> its zoo requests
-        self.streamed: set[int] = set()  # submissions whose handlers stream: only theirs get each step's tokens
+        self.streamed: set[int] = set()  # submissions whose handlers stream: only theirs get text deltas
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s of steps, for tokens/s
         self.recent_tokens = 0  # their sum
         self.outbox: list[tuple[int, tuple]] = []  # (submission, event) of this step, sent together
+        self.deltas = TextDeltas(llm.tokenizer)
 
     def run(self) -> None:
         while True:
@@ -176,7 +147,7 @@ class EngineLoop:
                 self.outbox.append((ident, ("error", f"the engine failed: {type(exc).__name__}: {exc}")))
                 self._abort(ident)
             return
-        now, count = time.monotonic(), 0
+        now, count, finished = time.monotonic(), 0, {}
         for request, tokens in stepped:
             count += len(tokens)
             owner = self.owner.get(request.group.request_id)
@@ -184,12 +155,13 @@ class EngineLoop:
                 continue
             ident, index = owner
             if (tokens and ident in self.streamed and not request.error and not request.beam_hypotheses
-                    and self.conn is not None):  # the handler decodes them (StreamedText), off this loop
-                final = self.llm.text_of(request) if request.is_finished else None  # cut at a stop string
-                self.outbox.append((ident, ("tokens", index, request.sample_index, tokens, request.params.stop,
-                                            final)))
-            if request.group_finished:
-                self._finish(request.group)
+                    and self.conn is not None):
+                text = self.deltas.delta(request, self.llm.text_of(request) if request.is_finished else None)
+                self.outbox.append((ident, ("delta", index, request.sample_index, tokens, text)))
+            if request.group_finished:  # after every sample's last delta of this step (n > 1 finish together)
+                finished[request.group.request_id] = request.group
+        for group in finished.values():
+            self._finish(group)
         self.recent.append((now, count))
         self.recent_tokens += count
         while now - self.recent[0][0] >= 10:
@@ -223,6 +195,8 @@ class EngineLoop:
             if request.request_id in self.owner and not request.group_finished:
                 self.engine.abort(request)
                 self.owner.pop(request.request_id, None)
+                for member in request.samples or [request]:
+                    self.deltas.forget(member)  # its text will not be asked for again
 
     def state(self) -> dict:
         engine, steps = self.engine, self.engine.stats.token_steps
@@ -754,7 +728,7 @@ def build_app(server: Server):
         def delta_chunk(choice, text):
             return delta_template % (choice, json.dumps(text))
 
-        outputs, texts = [None] * prompts, StreamedText(server.tokenizer)
+        outputs = [None] * prompts
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
@@ -769,19 +743,15 @@ def build_app(server: Server):
                 parts, pending = [], {}  # pending: choice -> text not yet written, in order of arrival
 
                 def write_pending():
-                    parts.extend(delta_chunk(choice, text) for choice, text in pending.items() if text)
+                    parts.extend(delta_chunk(choice, text) for choice, text in pending.items())
                     pending.clear()
 
                 for event in events:
-                    if event[0] == "tokens":
-                        _, index, sample, tokens, stop, final = event
+                    if event[0] == "delta":
+                        _, index, sample, tokens, text = event
                         choice = index * n + sample
-                        pending[choice] = pending.get(choice, "") + texts.add(choice, tokens, stop, final)
+                        pending[choice] = pending.get(choice, "") + text
                         continue
-                    if event[0] == "finished" and event[2].finish_reason != "error":
-                        for sample in event[2].samples or [event[2]]:  # the rest of each choice's text
-                            choice = event[1] * n + getattr(sample, "index", 0)
-                            pending[choice] = pending.get(choice, "") + texts.finish(choice, sample.text)
                     write_pending()
                     if event[0] == "finished":
                         _, index, output = event
