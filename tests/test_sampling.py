@@ -260,6 +260,42 @@ def test_text_deltas_decode_a_window_yet_equal_the_whole_decode(kind):
         assert shown == tokenizer.decode(ids) and not deltas.state
 
 
+@pytest.mark.parametrize("kind", ["bytes", "byte_level_bpe", "metaspace_bpe", "wordpiece"])
+def test_stop_strings_found_in_a_window_as_in_the_whole_decode(kind):
+    """The committer looks for stop strings in a window of the last tokens before it decodes the whole output:
+    token by token, it finds the first stop string and cuts the text exactly where the whole decode does.
+    The stops are pieces of each stream's own text (of 1 to 12 characters), so most streams hit one."""
+    import random
+    from types import SimpleNamespace
+
+    from zoo.commit import stop_string_cut
+    from zoo.tokenizer import ByteTokenizer
+
+    if kind == "bytes":
+        tokenizer, vocab = ByteTokenizer(), 256
+    else:
+        trained = trained_tokenizer(kind)
+        tokenizer, vocab = SimpleNamespace(decode=trained.decode), trained.get_vocab_size()
+    rng = random.Random(1)
+    hits = 0
+    for _ in range(60):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 120))]
+        text = tokenizer.decode(ids)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            start, size = rng.randrange(max(1, len(text))), rng.randint(1, 12)
+            stops.append(text[start:start + size] or "zz")
+        for n in range(1, len(ids) + 1):
+            prefix = tokenizer.decode(ids[:n])
+            found = [prefix.find(stop) for stop in stops if stop in prefix]
+            expected = prefix[:min(found)] if found else None
+            assert stop_string_cut(tokenizer, ids[:n], stops) == expected, (n, stops)
+            if expected is not None:
+                hits += 1
+                break
+    assert hits >= 40
+
+
 def test_stream_never_shows_text_a_stop_string_cuts():
     llm = LLM(model="gpt2", plugins=[Force(list(b"xaby"))])
     params = SamplingParams(max_new_tokens=4, stop=["ab"])

@@ -178,9 +178,35 @@ class Committer:
             request.finish("length")
 
     def _cut_at_stop_string(self, request: Request) -> bool:
-        text = self.engine.tokenizer.decode(request.output_token_ids)
-        hits = [(text.find(s), s) for s in request.params.stop if s in text]
-        if not hits:
+        text = stop_string_cut(self.engine.tokenizer, request.output_token_ids, request.params.stop)
+        if text is None:
             return False
-        request.output_text = text[:min(hits)[0]]
+        request.output_text = text
         return True
+
+
+# Characters at the start of a window of tokens that may decode differently from the same place in the whole
+# output (a dropped leading space, the rest of a character cut in two, a continuation marker).
+WINDOW_START_SLACK = 8
+
+
+def stop_string_cut(tokenizer, ids: list[int], stops) -> str | None:
+    """The text of ``ids`` cut before its first stop string, or None when it holds none.
+
+    Called after each new token of an output that held none before, so a new stop string ends in the newest
+    token's text. A window of the last tokens is decoded first, doubling until its text before the newest
+    token is longer than any stop string (plus the slack of a window's start): only when that window holds a
+    stop string is the whole output decoded. Decoding the whole output at every token made a request with
+    stop strings quadratic in its length."""
+    need = max(len(stop) for stop in stops) + WINDOW_START_SLACK
+    width = 8
+    while width < len(ids):
+        window = tokenizer.decode(ids[-width:])
+        if len(window) - len(tokenizer.decode(ids[-1:])) >= need:
+            if not any(stop in window for stop in stops):
+                return None
+            break
+        width *= 2
+    text = tokenizer.decode(ids)
+    hits = [text.find(stop) for stop in stops if stop in text]
+    return text[:min(hits)] if hits else None
