@@ -210,6 +210,18 @@ CORPUS = ["Ça va? Don't stop — naïve café, 3.14 ... l'été", "日本語の
           "def f(x):\n    return x ** 2  # squares", "The quick brown fox doesn't jump ; it's lazy ."] * 20
 
 
+def tokenizer_of_kind(kind: str):
+    """``(an object with decode(ids), vocabulary size)``: zoo's byte tokenizer, or a trained one of that family."""
+    from types import SimpleNamespace
+
+    from zoo.tokenizer import ByteTokenizer
+
+    if kind == "bytes":
+        return ByteTokenizer(), 256
+    trained = trained_tokenizer(kind)
+    return SimpleNamespace(decode=trained.decode), trained.get_vocab_size()
+
+
 def trained_tokenizer(kind: str):
     """A small tokenizer of a common family, trained here (no download): byte-level BPE (GPT-2, Llama 3),
     Metaspace BPE (SentencePiece-style: a dropped leading space at a window's start), WordPiece (its decoder
@@ -240,13 +252,8 @@ def test_text_deltas_decode_a_window_yet_equal_the_whole_decode(kind):
     from types import SimpleNamespace
 
     from zoo.llm import TextDeltas
-    from zoo.tokenizer import ByteTokenizer
 
-    if kind == "bytes":
-        tokenizer, vocab = ByteTokenizer(), 256
-    else:
-        trained = trained_tokenizer(kind)
-        tokenizer, vocab = SimpleNamespace(decode=trained.decode), trained.get_vocab_size()
+    tokenizer, vocab = tokenizer_of_kind(kind)
     rng = random.Random(0)
     for trial in range(40):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 80))]
@@ -266,16 +273,10 @@ def test_stop_strings_found_in_a_window_as_in_the_whole_decode(kind):
     token by token, it finds the first stop string and cuts the text exactly where the whole decode does.
     The stops are pieces of each stream's own text (of 1 to 12 characters), so most streams hit one."""
     import random
-    from types import SimpleNamespace
 
     from zoo.commit import stop_string_cut
-    from zoo.tokenizer import ByteTokenizer
 
-    if kind == "bytes":
-        tokenizer, vocab = ByteTokenizer(), 256
-    else:
-        trained = trained_tokenizer(kind)
-        tokenizer, vocab = SimpleNamespace(decode=trained.decode), trained.get_vocab_size()
+    tokenizer, vocab = tokenizer_of_kind(kind)
     rng = random.Random(1)
     hits = 0
     for _ in range(60):
