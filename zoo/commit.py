@@ -198,11 +198,11 @@ def stop_string_cut(tokenizer, ids: list[int], stops) -> str | None:
     token is longer than any stop string (plus the slack of a window's start): only when that window holds a
     stop string is the whole output decoded. Decoding the whole output at every token made a request with
     stop strings quadratic in its length."""
-    need = max(len(stop) for stop in stops) + WINDOW_START_SLACK
+    need = max(len(stop) for stop in stops) + WINDOW_START_SLACK + len(tokenizer.decode(ids[-1:]))
     width = 8
     while width < len(ids):
         window = tokenizer.decode(ids[-width:])
-        if len(window) - len(tokenizer.decode(ids[-1:])) >= need:
+        if len(window) >= need:
             if not any(stop in window for stop in stops):
                 return None
             break
