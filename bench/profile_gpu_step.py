@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -30,18 +31,33 @@ from gpu import write_checkpoint  # noqa: E402
 
 # The switches of issue 15's changes: the decode kernel launches lanes that loop over splits instead of a
 # program per possible split (lanes); the LM head's weight-streaming kernel (gemv_rows); whole prompts without
-# the mask (fresh).
+# the mask (fresh); the graph's argmax as two Triton launches instead of torch's (argmax); programmatic dependent
+# launch of the Triton kernels (pdl); the layers' projections through the weight-streaming kernel up to
+# proj_rows rows. (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
+# bench/results/gpu/round6/profile_pdl_ab.txt.)
+BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0)
 VARIANTS = {
-    "main": dict(lanes=False, gemv_rows=0, fresh=False),
-    "new": dict(lanes=True, gemv_rows=32, fresh=True),
+    "main": dict(BASE, lanes=False, gemv_rows=0, fresh=False),
+    "round5": BASE,
+    "argmax": dict(BASE, argmax=True),
+    "pdl": dict(BASE, argmax=True, pdl=True),
+    "proj": dict(BASE, argmax=True, proj_rows=16),
+    "pdl_proj": dict(BASE, argmax=True, pdl=True, proj_rows=16),
+    "new": dict(BASE, argmax=True, pdl=True, proj_rows=1),
 }
+TRITON_ARGMAX = None
 
 
 def apply(variant: dict) -> None:
+    global TRITON_ARGMAX
     from zoo import fused_ops, triton_attention
 
     triton_attention.LAUNCH_PROGRAMS = 2048 if variant["lanes"] else 1 << 40
     fused_ops.GEMV_MAX_ROWS = variant["gemv_rows"]
+    TRITON_ARGMAX = TRITON_ARGMAX or fused_ops.argmax
+    fused_ops.argmax = TRITON_ARGMAX if variant["argmax"] else (lambda logits: logits.argmax(-1))
+    triton_attention.PDL = variant["pdl"]
+    fused_ops.PROJECTION_GEMV_MAX_ROWS = variant["proj_rows"]
 
 
 def main() -> int:
@@ -54,8 +70,13 @@ def main() -> int:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--num-kv-blocks", type=int, nargs="+", default=[0],
                    help="one engine per value, in turn (0: the cache fills gpu_memory_utilization)")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="keep every variant's engine and time their decode graphs in this many interleaved "
+                        "rounds (needs --num-kv-blocks N, so that they fit side by side)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.ab_rounds and 0 in args.num_kv_blocks:
+        p.error("--ab-rounds needs --num-kv-blocks with a size: every engine stays alive")
     from zoo import LLM
 
     report, lines = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}, []
@@ -64,6 +85,7 @@ def main() -> int:
         print(text, flush=True)
         lines.append(text)
 
+    kept = []
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp), args.layers)
         for name, blocks in [(n, b) for n in args.variants for b in args.num_kv_blocks]:
@@ -78,15 +100,51 @@ def main() -> int:
                 entry["decode"][batch] = profile_decode(llm, batch, args.steps, args.table_rows, say)
             if not args.no_prefill:
                 entry["prefill"] = profile_prefill(llm, say)
+            if args.ab_rounds:
+                kept.append((key, llm))
             del llm
             gc.collect()  # an engine's KV cache fills its share: free it before the next engine starts
             torch.cuda.empty_cache()
+        if kept:
+            report["interleaved"] = interleaved_graph_times(kept, args.batch, args.ab_rounds, say)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "profile.json").write_text(json.dumps(report, indent=1))
         (out / "profile.txt").write_text("\n".join(lines) + "\n")
     return 0
+
+
+def graph_time_ms(llm, batch: int, replays: int = 20) -> float:
+    graph, _ = llm.engine.runner.graphs.graphs[("decode", llm.engine.runner.graphs.size_for("decode", batch))]
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / replays
+
+
+def interleaved_graph_times(kept, batches, rounds, say) -> dict:
+    """Each variant's decode graph replay time, variants interleaved round by round (A B C A B C ...), so that a
+    drift of the machine over the run falls on all of them alike; medians, and ratios to the first variant."""
+    times = {(key, batch): [] for key, _ in kept for batch in batches}
+    for _ in range(rounds):
+        for batch in batches:
+            for key, llm in kept:
+                times[(key, batch)].append(graph_time_ms(llm, batch))
+    say(f"=== interleaved graph replays, {rounds} rounds of 20, median ms (ratio to {kept[0][0]})")
+    result = {}
+    for batch in batches:
+        base = statistics.median(times[(kept[0][0], batch)])
+        for key, _ in kept:
+            ms = statistics.median(times[(key, batch)])
+            spread = max(times[(key, batch)]) - min(times[(key, batch)])
+            say(f"  batch {batch:3d} {key:40s} {ms:.4f} ms (spread {spread:.4f})  {base / ms:.3f}x")
+            result[f"{key} batch {batch}"] = {"median_ms": ms, "all_ms": times[(key, batch)]}
+    return result
 
 
 def host_split(engine):

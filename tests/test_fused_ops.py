@@ -102,9 +102,47 @@ def test_linear_past_the_row_limit_is_f_linear():
     torch.testing.assert_close(fused_ops.linear(x, weight), F.linear(x, weight), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name):
-    """Whole forward passes (prefill in chunks, then decode) with every fused kernel on."""
+def test_argmax_kernel_matches_torch_argmax_on_ties_and_nan():
+    g = torch.Generator().manual_seed(3)
+    vocab = 2 * fused_ops.ARGMAX_BLOCK + 123  # three chunks, the last one masked
+    logits = (torch.randn(5, vocab, generator=g) * 2).round()  # few distinct values: ties within and across chunks
+    logits[1, 7] = logits[1, fused_ops.ARGMAX_BLOCK + 5] = logits[1, -1] = 50.0  # the first of three ties wins
+    logits[2] = float("-inf")
+    logits[3, [9, 4000]] = float("nan")  # NaN ranks above everything, as in torch
+    logits[4, -1] = 60.0  # the last, masked chunk's only real column
+    out = fused_ops.argmax(logits.to(DEVICE))
+    assert out.dtype == torch.int64
+    assert out.tolist() == logits.argmax(-1).tolist()
+    assert out.tolist()[1:] == [7, 0, 9, vocab - 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_projection_takes_the_kernel_up_to_its_row_limit(dtype, monkeypatch):
+    monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", 4)
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, 96, generator=g).to(DEVICE, dtype) / 10
+    bias = torch.randn(40, generator=g).to(DEVICE, dtype)
+    for rows, kernel in [(3, True), (4, True), (5, False)]:
+        x = torch.randn(rows, 96, generator=g).to(DEVICE, dtype)
+        assert fused_ops.gemv_fits(x, weight, fused_ops.PROJECTION_GEMV_MAX_ROWS) is kernel
+        out = fused_ops.projection(x, weight, bias)
+        if kernel:
+            torch.testing.assert_close(out, F.linear(x, weight, bias), **tolerance(dtype))
+        else:
+            torch.testing.assert_close(out, F.linear(x, weight, bias), atol=0, rtol=0)
+
+
+def test_no_programmatic_dependent_launch_off_hopper():
+    # The kernels' PDL switch is a compile-time constant: off the GPU (the interpreter) it is off, and the launch
+    # option is not passed at all.
+    assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
+
+
+@pytest.mark.parametrize("name,projection_rows", [("llama", 0), ("qwen2", 0), ("llama", 64)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, monkeypatch):
+    """Whole forward passes (prefill in chunks, then decode) with every fused kernel on; with projection_rows, the
+    layers' projections of steps up to that many tokens run the weight-streaming kernel too."""
+    monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     folder, model = checkpoints[name]
     llm = LLM(str(folder), max_num_batched_tokens=16)
     llm.engine.model.use_fused_ops(True)

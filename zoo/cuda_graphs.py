@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from zoo import fused_ops
 from zoo.forward_context import ForwardContext, forward_context
 
 
@@ -99,10 +100,11 @@ class DecodeGraphs:
     def _model_body(self, context: ForwardContext):
         # Every row of a graph step gives logits, in order: no logits_indices gather needed. The argmax rides
         # along (a few microseconds in the graph, against an eager launch after it for every greedy step).
+        model = self.runner.model
         with forward_context(context):
-            hidden = self.runner.model(context.buffers["input_ids"], context.positions)
-        logits = self.runner.model.compute_logits(hidden)
-        return logits, hidden, dict(context.layer_outputs), logits.argmax(-1)
+            hidden = model(context.buffers["input_ids"], context.positions)
+        logits = model.compute_logits(hidden)
+        return logits, hidden, dict(context.layer_outputs), fused_ops.argmax(logits) if model.fused else logits.argmax(-1)
 
     def size_for(self, family: str, num_seqs: int) -> int | None:
         """The captured batch size a pass of ``num_seqs`` sequences replays, or None to run eagerly."""

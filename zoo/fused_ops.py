@@ -19,12 +19,16 @@ Triton's interpreter.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from zoo.triton_attention import triton
+from zoo.triton_attention import pdl_options, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from zoo.triton_attention import wait_for_previous_kernel
 
 
 def available() -> bool:
@@ -34,6 +38,11 @@ def available() -> bool:
 # Rows up to which ``linear`` runs the weight-streaming kernel; past it cuBLAS's tiled GEMMs win (on the LM head
 # of a 128k vocabulary: 1.02 to 1.05 times cuBLAS's speed up to 32 rows, 0.94 at 64). 0 turns the kernel off.
 GEMV_MAX_ROWS = 32
+# The same for the layers' projections (``projection``). Alone, the kernel and cuBLAS tie on them; under
+# programmatic dependent launch (triton_attention.PDL) the kernel overlaps the kernels around it, which cuBLAS's
+# do not. Decode graph replays on the H200 against cuBLAS's, both under PDL: 1.058x faster at 1 row, 1.041x at 2,
+# 1.008x at 4, 0.988x at 8 (bench/results/gpu/round6/profile_pdl_rows.txt).
+PROJECTION_GEMV_MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -47,7 +56,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(X, Residual, Weight, Out, Summed, stride_x, stride_r, stride_o, stride_s, n_cols, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         valid = cols < n_cols
@@ -77,7 +87,8 @@ if triton is not None:
                                  stride_ct, stride_cs, stride_ch,
                                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                  HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-                                 HALF: tl.constexpr, HAS_ROPE: tl.constexpr):
+                                 HALF: tl.constexpr, HAS_ROPE: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
         token = tl.program_id(0)
         dtype = Q.dtype.element_ty
         offs_d = tl.arange(0, HALF)
@@ -111,7 +122,8 @@ if triton is not None:
                  tl.load(v_ptr + HALF, mask=kv_mask, other=0.0).to(VCache.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
-    def _silu_mul_kernel(GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         valid = cols < n_cols
@@ -127,13 +139,16 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
                      HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         row_ok = offs_m < rows
         col_ok = cols < n
+        # Prefetching this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the first
+        # 512 columns, 19% slower for all of them (profile_pdl_ab.txt), so the wait comes first.
+        wait_for_previous_kernel(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start in range(0, k, BLOCK_K):
             ks = start + offs_k
@@ -150,6 +165,55 @@ if triton is not None:
         tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _first_max(values, indices, none):
+        # The largest value and the lowest index holding it, as torch.argmax picks among ties.
+        best = tl.max(values, 0)
+        return best, tl.min(tl.where(values == best, indices, none), 0)
+
+    @triton.jit
+    def _argmax_chunk_kernel(Logits, Values, Indices, n, stride, chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(Logits + row * stride + offs, mask=offs < n, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)  # NaN ranks above everything, as in torch.argmax
+        best, index = _first_max(x, offs, n)
+        tl.store(Values + row * chunks + chunk, best)
+        tl.store(Indices + row * chunks + chunk, index)
+
+    @triton.jit
+    def _argmax_rows_kernel(Values, Indices, Out, chunks, n, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        row = tl.program_id(0)
+        offs = tl.arange(0, CHUNKS_PAD)
+        valid = offs < chunks
+        values = tl.load(Values + row * chunks + offs, mask=valid, other=float("-inf"))
+        indices = tl.load(Indices + row * chunks + offs, mask=valid, other=n)
+        tl.store(Out + row, _first_max(values, indices, n)[1].to(tl.int64))
+
+
+# Logits one program of the argmax reads: a 128k vocabulary is 32 programs per row.
+ARGMAX_BLOCK = 4096
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``[rows, vocab]``, in two short launches. torch's reduction of one long row runs
+    in one block: 30 us per launch on a 128k vocabulary at batch 1 on the H200, inside the decode graph."""
+    rows, n = logits.shape
+    chunks = triton.cdiv(n, ARGMAX_BLOCK)
+    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    options = pdl_options(logits.device)
+    _argmax_chunk_kernel[(rows, chunks)](logits, values, indices, n, logits.stride(0), chunks,
+                                         BLOCK=ARGMAX_BLOCK, **options)
+    _argmax_rows_kernel[(rows,)](values, indices, out, chunks, n, CHUNKS_PAD=triton.next_power_of_2(chunks),
+                                 **options)
+    return out
+
+
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tensor:
     rows = x.shape[0]
     n, k = weight.shape
@@ -160,7 +224,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tenso
         out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
         IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_stages=stages, num_warps=warps)
+        num_stages=stages, num_warps=warps, **pdl_options(x.device))
     return out
 
 
@@ -168,10 +232,27 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
               torch.float16: tl.float16} if triton is not None else {}
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` takes the Triton kernel for this input: few rows, contiguous operands."""
-    return (0 < x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and x.dtype == weight.dtype)
+@functools.cache
+def _shared_memory_limit(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def _gemv_shared_memory_fits(rows: int, weight: torch.Tensor) -> bool:
+    # Each pipeline stage holds a tile of x and one of W: wide row counts on wide tiles overflow shared memory.
+    if weight.device.type != "cuda":
+        return True
+    block_n, block_k, stages, _ = gemv_config(weight.shape[0])
+    needed = stages * (max(16, triton.next_power_of_2(rows)) + block_n) * block_k * weight.element_size()
+    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    return needed <= _shared_memory_limit(index)
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether the Triton kernel takes this input: at most ``max_rows`` rows (``GEMV_MAX_ROWS``), contiguous, its
+    tiles within shared memory."""
+    max_rows = GEMV_MAX_ROWS if max_rows is None else max_rows
+    return (x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and x.dtype == weight.dtype and _gemv_shared_memory_fits(x.shape[0], weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -183,6 +264,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if out_dtype is None else out.to(out_dtype)
 
 
+def projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a layer's projection: the weight-streaming kernel up to
+    ``PROJECTION_GEMV_MAX_ROWS`` rows, cuBLAS past them."""
+    if gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS):
+        return _gemv(x, weight, bias, x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``."""
     rows, cols = x.shape
@@ -191,7 +280,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), summed.stride(0), cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), **pdl_options(x.device))
     return out, summed
 
 
@@ -211,7 +300,8 @@ def rope_and_write_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(heads),
-        KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HALF=head_dim // 2, HAS_ROPE=has_rope)
+        KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HALF=head_dim // 2, HAS_ROPE=has_rope,
+        **pdl_options(q.device))
     return q
 
 
@@ -221,5 +311,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate_up, out, gate_up.stride(0), out.stride(0), cols,
-                                                        BLOCK=block)
+                                                        BLOCK=block, **pdl_options(out.device))
     return out

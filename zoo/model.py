@@ -342,24 +342,33 @@ def base_linear(module: nn.Module) -> nn.Linear | None:
     return module if type(module) is nn.Linear else None
 
 
+def project(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``module(x)``; with fused ops on, a plain Linear runs ``fused_ops.projection`` (a Triton kernel at decode
+    row counts where it beats cuBLAS). A plugin's wrapper keeps its own forward."""
+    if fused and type(module) is nn.Linear:
+        return fused_ops.projection(x, module.weight, module.bias)
+    return module(x)
+
+
 class FusedLinear(nn.Module):
     """Several projections of one input as one matrix product, plus the deltas of wrapped ones."""
 
-    def __init__(self, parts: list[nn.Module], fused: nn.Linear):
+    def __init__(self, parts: list[nn.Module], joint: nn.Linear):
         super().__init__()
-        self.fused = fused
+        self.joint = joint
         self.sizes = [p.out_features for p in parts]
         self.wrapped = [(i, p) for i, p in enumerate(parts) if isinstance(p, LinearWrapper)]
+        self.fused = False  # set by DecoderModel.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        outputs = list(self.fused(x).split(self.sizes, dim=-1))
+        outputs = list(project(self.joint, x, self.fused).split(self.sizes, dim=-1))
         for i, wrapper in self.wrapped:
             outputs[i] = outputs[i] + wrapper.delta(x)
         return outputs
 
     def concatenated(self, x: torch.Tensor) -> torch.Tensor:
         """The parts' outputs side by side (one tensor, as the fused SiLU-and-mul kernel takes them)."""
-        return torch.cat(self(x), dim=-1) if self.wrapped else self.fused(x)
+        return torch.cat(self(x), dim=-1) if self.wrapped else project(self.joint, x, self.fused)
 
 
 def fuse_linears(*parts: nn.Module) -> FusedLinear | None:
@@ -375,20 +384,20 @@ def fuse_linears(*parts: nn.Module) -> FusedLinear | None:
     if any((m.bias is not None) != has_bias for m in linears):
         return None
     first = linears[0].weight
-    fused = nn.Linear(first.shape[1], sum(m.out_features for m in linears), bias=has_bias,
+    joint = nn.Linear(first.shape[1], sum(m.out_features for m in linears), bias=has_bias,
                       device=first.device, dtype=first.dtype)
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        joint.weight.copy_(torch.cat([m.weight for m in linears]))
         if has_bias:
-            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+            joint.bias.copy_(torch.cat([m.bias for m in linears]))
     start = 0
     for m in linears:  # share storage, so the separate names still load and report the same values
         end = start + m.out_features
-        m.weight = nn.Parameter(fused.weight[start:end], requires_grad=False)
+        m.weight = nn.Parameter(joint.weight[start:end], requires_grad=False)
         if has_bias:
-            m.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
+            m.bias = nn.Parameter(joint.bias[start:end], requires_grad=False)
         start = end
-    return FusedLinear(list(parts), fused)
+    return FusedLinear(list(parts), joint)
 
 
 class Attention(nn.Module):
@@ -402,7 +411,8 @@ class Attention(nn.Module):
         self.scale = desc.attn_scale or 1.0 / math.sqrt(desc.head_dim)
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
         self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
-        self.fused = False  # set by DecoderModel.use_fused_ops
+        self.fused = False  # set by DecoderModel.use_fused_ops: rotary and the cache write as one kernel
+        self.fused_projections = False  # set by DecoderModel.use_fused_ops
 
     def fuse_projections(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -422,7 +432,8 @@ class Attention(nn.Module):
         if isinstance(meta, DenseCausal):
             if rotary is not None:
                 q, k = rotary(q, k, tables)
-            return self.o_proj(meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim))
+            attended = meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
+            return project(self.o_proj, attended, self.fused_projections)
         if self.fused and (rotary is None or rotary.rotate_half_tables):
             cos, sin = (tables[0][:, 0], tables[1][:, 0]) if rotary is not None else (None, None)
             q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
@@ -432,7 +443,7 @@ class Attention(nn.Module):
                 q, k = rotary(q, k, tables)
             write_cache(k, v, self.kv_cache, meta.slot_mapping)
         out = paged_attention(q, self.kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
 
 
 class MLP(nn.Module):
@@ -453,7 +464,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is not None:
             if self.fused and self.act is F.silu:
-                return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x)))
+                return project(self.down_proj, fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x)), True)
             gate, up = self.gate_up_proj(x)
             return self.down_proj(self.act(gate) * up)
         if self.gate_proj is not None:
@@ -565,10 +576,11 @@ class DecoderModel(nn.Module):
         head_ok = desc.head_dim % 2 == 0 and (desc.head_dim // 2) & (desc.head_dim // 2 - 1) == 0
         self.fused = on
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
+            if isinstance(module, (RMSNorm, MLP, FusedLinear)):
                 module.fused = on
             elif isinstance(module, Attention):
                 module.fused = on and head_ok
+                module.fused_projections = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:  # this rank's vocabulary columns, then all of them on every rank

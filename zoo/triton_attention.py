@@ -23,6 +23,8 @@ captured inside the decode CUDA graphs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -56,12 +58,46 @@ def available() -> bool:
     return triton is not None
 
 
+# Programmatic dependent launch (Hopper and later): zoo's Triton kernels are launched so that each may start while
+# the kernel before it in the stream is still finishing, and wait inside (``griddepcontrol.wait``) for that
+# kernel's writes before reading anything it may have produced. A decode step at small batch is a chain of short,
+# latency-bound kernels, so the next one's launch, and the weight prefetch of a matrix product, overlap the tail
+# of the one before. Every program waits, even one with nothing to do: a grid that finished without waiting could
+# let the kernel after it run before the one before it. False turns it off (for A/B timings).
+PDL = True
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def launches_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch."""
+    if not PDL or triton is None or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch options and the kernels' PDL switch for a launch on ``device``."""
+    return {"PDL": True, "launch_pdl": True} if launches_pdl(device) else {"PDL": False}
+
+
 # The partial results' strides follow the step's split count. Triton would compile a variant per stride class
 # (1, a multiple of 16, other), which mixed steps of a server meet one by one, each a compile of 100+ ms in the
 # middle of serving; these strides are not on the innermost dimension, so the hint buys nothing.
 SPLIT_STRIDES = ("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh")
 
 if triton is not None:
+
+    @triton.jit
+    def wait_for_previous_kernel(PDL: tl.constexpr):
+        """Under PDL: wait until the kernel before this one has finished and its writes are visible, then let the
+        next one launch. A no-op otherwise."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit(do_not_specialize=SPLIT_STRIDES)
     def _paged_decode_kernel(
@@ -75,8 +111,9 @@ if triton is not None:
         stride_lt, stride_lh,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCKS_PER_SPLIT: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, HAS_TREE: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(PDL)
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
         lane = tl.program_id(2)
@@ -149,7 +186,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=SPLIT_STRIDES)
     def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
                              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
-                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+                             PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
         token = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -194,7 +233,7 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         lse_partial.stride(0), lse_partial.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCKS_PER_SPLIT=blocks_per_split, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, **pdl_options(q.device),
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
     # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
@@ -204,5 +243,6 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), SPLIT_TOKENS=blocks_per_split * block_size)
+        HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), SPLIT_TOKENS=blocks_per_split * block_size,
+        **pdl_options(q.device))
     return out
