@@ -191,5 +191,7 @@ def test_ragged_prompts_and_chunks_match_transformers(checkpoints, references, n
     ragged = [s.ragged for s in splits if s is not None and s.ragged is not None]
     assert any(len(r.cu_queries) > 2 for r in ragged)  # several sequences in one call
     assert any(int(r.cu_keys[-1]) > int(r.cu_queries[-1]) for r in ragged)  # chunks after cached tokens
+    # steps of prompts alone take the step's rows as they are; steps with decodes among them gather theirs
+    assert any(r.rows is None for r in ragged) and any(r.rows is not None for r in ragged)
     for i, (request, (ref_tokens, _)) in enumerate(zip(requests, references[name])):
         assert request.output_token_ids == ref_tokens, f"prompt {i}"

@@ -81,7 +81,7 @@ class RaggedCausal:
     own). Causality aligned to the last key lets a chunk's query i see its cached tokens and own tokens 0..i:
     no mask, no padding, one kernel for the step however many prompts it carries."""
 
-    rows: torch.Tensor  # [Tq] token rows, sequence by sequence
+    rows: torch.Tensor | None  # [Tq] token rows, sequence by sequence; None: every row of the step, in order
     key_slots: torch.Tensor  # [Tk] cache slots of the keys, sequence by sequence
     cu_queries: torch.Tensor  # [S + 1] int32: where each sequence's queries start in ``rows``
     cu_keys: torch.Tensor  # [S + 1] int32: where its keys start in ``key_slots``
@@ -92,7 +92,8 @@ class RaggedCausal:
         kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         keys = key_cache.view(-1, kv_heads, head_dim)[self.key_slots]
         values = value_cache.view(-1, kv_heads, head_dim)[self.key_slots]
-        return varlen_attn(q[self.rows], keys, values, self.cu_queries, self.cu_keys, self.longest_query,
+        queries = q if self.rows is None else q[self.rows]
+        return varlen_attn(queries, keys, values, self.cu_queries, self.cu_keys, self.longest_query,
                            self.longest_keys, scale=scale, **VARLEN_CAUSAL)
 
 
@@ -264,7 +265,10 @@ def masked_attention(q, key_cache, value_cache, block_tables, mask, seq, query_i
 
 
 def mixed_step_attention(q, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    split, out = meta.split, torch.empty_like(q)
+    split = meta.split
+    if split.ragged is not None and split.ragged.rows is None:  # the call's rows are the step's, in order
+        return split.ragged.attend(q, key_cache, value_cache, scale)
+    out = torch.empty_like(q)
     if split.decode_rows is not None:
         from zoo.triton_attention import paged_decode_attention
 

@@ -242,18 +242,21 @@ class ModelRunner:
         """The step's whole prompts, then its chunks, as :class:`zoo.model.RaggedCausal`: a prompt's keys are its
         own tokens' slots; a chunk's are every slot of its sequence up to its last token, from its block table."""
         buf, device, bs = self.buffers, self.device, self.block_size
-        rows, query_lens, key_lens = [], [], []
-        for first, n in layout.prompt_spans:
-            rows += range(first, first + n)
-            query_lens.append(n)
-            key_lens.append(n)
-        prompt_rows = len(rows)
-        for b, first, n in layout.chunk_spans:
-            rows += range(first, first + n)
-            query_lens.append(n)
-            key_lens.append(layout.context_lens[b])
-        rows_on_device = int64_tensor(rows).to(device, non_blocking=True)
-        key_slots = buf["slot_mapping"][rows_on_device[:prompt_rows]]  # a whole prompt's keys are its own tokens
+        spans = layout.prompt_spans + [(first, n) for _, first, n in layout.chunk_spans]
+        query_lens = [n for _, n in spans]
+        key_lens = [n for _, n in layout.prompt_spans] + [layout.context_lens[b] for b, _, _ in layout.chunk_spans]
+        prompt_rows = sum(n for _, n in layout.prompt_spans)
+        # A step of prompts and chunks alone, laid out in this order (a long prompt's step): the call's rows are
+        # the step's, so neither the queries nor the output need gathering, nor the prompts' slots.
+        starts = itertools.accumulate(query_lens, initial=0)
+        in_order = not layout.decode_rows and all(first == start for (first, _), start in zip(spans, starts))
+        if in_order:
+            rows_on_device = None
+            key_slots = buf["slot_mapping"][:prompt_rows]  # a whole prompt's keys are its own tokens
+        else:
+            rows = [r for first, n in spans for r in range(first, first + n)]
+            rows_on_device = int64_tensor(rows).to(device, non_blocking=True)
+            key_slots = buf["slot_mapping"][rows_on_device[:prompt_rows]]
         if layout.chunk_spans:
             seqs = int64_tensor([b for b, _, _ in layout.chunk_spans]).to(device, non_blocking=True)
             num_blocks = max(-(-layout.context_lens[b] // bs) for b, _, _ in layout.chunk_spans)
