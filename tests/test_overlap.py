@@ -83,3 +83,27 @@ def test_sampled_requests_keep_ordinary_steps(llama):
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
     assert outputs[1].token_ids == reference[tuple(prompts[1])]
     assert llm.engine.overlapped_steps == 0
+
+
+def test_arrivals_wait_out_the_admission_interval_beside_overlapped_steps(llama):
+    """runtime.admission_interval=4: requests arriving one at a time while others decode join every fourth step
+    (or at once when four wait), so the steps between stay plain decodes (overlapped); the tokens stay
+    transformers'."""
+    folder, reference = llama
+    prompts = prompt_set()
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    llm = LLM(str(folder), overlap_steps=True, admission_interval=4, max_num_batched_tokens=512)
+    engine = llm.engine
+    requests = [engine.add_request(prompt_token_ids=prompts[0], params=params)]
+    engine.step()
+    deferred = []
+    for prompt in prompts[1:4]:  # one arrival per step
+        requests.append(engine.add_request(prompt_token_ids=prompt, params=params))
+        engine.step()
+        deferred.append(engine.scheduler.steps_deferred)
+    requests += [engine.add_request(prompt_token_ids=p, params=params) for p in prompts[4:]]
+    engine.run_until_done()
+    for prompt, request in zip(prompts, requests):
+        assert request.output_token_ids == reference[tuple(prompt)], request.error
+    assert max(deferred) >= 1  # arrivals sat out steps while the others decoded
+    assert engine.overlapped_steps > 0 and not engine.has_work() and engine.blocks.num_used_blocks == 0

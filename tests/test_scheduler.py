@@ -43,9 +43,10 @@ class Driver:
     """The engine's side of the loop: schedule -> compute -> commit -> register / finish."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, admission_interval: int = 1):
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
+                                   admission_interval=admission_interval)
         self.kv: dict[tuple[int, int], tuple] = {}  # (block, offset) -> what that slot's K/V was computed from
         self.finished: list[Request] = []
         self.steps: list[list[tuple[int, int, int]]] = []  # per step: (request_id, start, num_tokens)
@@ -477,6 +478,24 @@ def test_prefix_hit_tokens_counts_only_hits_that_are_used():
     assert driver.blocks.prefix_hit_tokens == 4  # one admission that reused 4 tokens
 
 
+def test_waiting_requests_join_a_decoding_batch_every_interval_steps():
+    driver = Driver(num_blocks=64, block_size=4, admission_interval=3)
+    a = driver.add(0, [1, 2, 3, 4], 30)
+    assert [e.request for e in driver.step()] == [a]  # nothing runs: admitted at once
+    b = driver.add(1, [5, 6], 30)
+    assert [e.request for e in driver.step()] == [a]  # two steps sit out...
+    assert [e.request for e in driver.step()] == [a]
+    assert [e.request for e in driver.step()] == [a, b]  # ...the third lets it in
+    group = [driver.add(2 + i, [7, i], 30) for i in range(3)]  # as many as the interval: at once
+    assert [e.request for e in driver.step()] == [a, b, *group]
+    late = driver.add(9, [8], 30)
+    driver.step()
+    assert late.status is Status.WAITING
+    driver.run_until_done()
+    for request in [a, b, *group, late]:
+        assert request.output_token_ids == alone_output(request.prompt_token_ids, 30)
+
+
 # ---------------------------------------------------------------- random workloads
 
 
@@ -494,7 +513,7 @@ def random_workload(seed: int) -> Driver:
     longest = max(len(prompt) + max_new for _, prompt, max_new in plan)
     driver = Driver(num_blocks=-(-longest // block_size) + rng.randint(0, 4),  # often too few: preemption
                     block_size=block_size, max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=budget,
-                    enable_prefix_caching=rng.random() < 0.8)
+                    enable_prefix_caching=rng.random() < 0.8, admission_interval=rng.choice([1, 1, 2, 3]))
     use_drafts = rng.random() < 0.5
     requests = []
     pending = list(plan)

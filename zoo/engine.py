@@ -98,7 +98,8 @@ class Engine:
         self.blocks = BlockManager(self.num_blocks, self.block_size, bool(runtime["enable_prefix_caching"]),
                                    self.setup.cache_lookahead)
         self.scheduler = Scheduler(self.blocks, int(runtime["max_num_seqs"]), int(runtime["max_num_batched_tokens"]),
-                                   step_resource=self.adapters.step_resource)
+                                   step_resource=self.adapters.step_resource,
+                                   admission_interval=int(runtime["admission_interval"]))
         self.sampler = Sampler(self.hooks, self, int(runtime["seed"]), self.device, self.description.eos_token_ids)
         self.stats = EngineStats()
         self.intake = RequestIntake(self)
@@ -261,9 +262,10 @@ class Engine:
     def _launch_next(self, pending: InFlight) -> InFlight | None:
         """The step after ``pending``, for the same requests, launched before ``pending`` is committed: each
         request's next input is its token of ``pending``, copied on the device. None where the scheduler must
-        decide instead: requests waiting, no free block, or every request ending with ``pending`` for sure.
+        decide instead: requests waiting that it would let in now, no free block, or every request ending with
+        ``pending`` for sure.
         A request that ``pending`` turns out to finish (a stop token) has its extra token dropped at commit."""
-        if self.scheduler.waiting:
+        if self.scheduler.waiting and self.scheduler.admits_waiting():
             return None
         entries, rows, new_blocks = [], [], []
         for row, entry in enumerate(pending.batch.scheduled):
@@ -279,6 +281,7 @@ class Engine:
             rows.append(row)
         if not entries:
             return None
+        self.scheduler.defer_admission()  # a step the waiting requests sit out, as in Scheduler.schedule
         start = time.perf_counter()
         tokens = pending.tokens
         if len(entries) == len(pending.batch.scheduled):  # the same rows: advance pending's inputs in place

@@ -3,7 +3,9 @@
 Every request just needs its uncomputed tokens run through the model: a
 prefill is many of them, a decode one (plus any draft tokens). Each step takes
 running requests first, then admits waiting ones, until the token budget or
-the sequence limit is reached. When the cache is full, the most recently
+the sequence limit is reached. With an admission interval, waiting requests
+join a batch that is decoding at most every few steps (or as soon as that many
+wait), so that arrivals one by one do not make every step a prompt step. When the cache is full, the most recently
 admitted request is preempted: its blocks are freed and it is recomputed from
 its tokens later, which gives the same output as if it had run alone.
 """
@@ -41,10 +43,11 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 step_resource=None):
+                 step_resource=None, admission_interval: int = 1):
         """``step_resource(request)``: None, or ``(pool, item, capacity)`` when the request needs ``item``
         from a pool a step holds at most ``capacity`` distinct items of (LoRA adapters in device slots);
-        a request whose item does not fit waits for a later step."""
+        a request whose item does not fit waits for a later step. ``admission_interval``: see
+        :meth:`admits_waiting`."""
         self.blocks = block_manager
         self.step_resource = step_resource or (lambda request: None)
         self.max_num_seqs = max_num_seqs
@@ -52,12 +55,29 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.admission_interval = admission_interval
+        self.steps_deferred = 0  # steps since waiting requests were last let in
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def admits_waiting(self) -> bool:
+        """Whether this step lets waiting requests in. Always with an interval of 1, or when nothing runs; else
+        once ``admission_interval`` steps have passed since the last time, or as soon as that many requests
+        wait. A step that admits prompts runs them beside the decodes in one eager pass; steps of decodes alone
+        replay CUDA graphs, so under a stream of arrivals (a server) batching the admissions keeps most steps on
+        the graphs, at the cost of a few steps' wait before a new request starts. (vLLM's
+        ``scheduler_delay_factor`` and TGI's ``waiting_served_ratio`` trade the same way.)"""
+        return (self.admission_interval <= 1 or not self.running or len(self.waiting) >= self.admission_interval
+                or self.steps_deferred + 1 >= self.admission_interval)
+
+    def defer_admission(self) -> None:
+        """A step passes without letting waiting requests in (one launched without scheduling, too)."""
+        if self.waiting:
+            self.steps_deferred += 1
 
     def decoding_requests(self) -> list[Request]:
         """Running requests whose next step is a single-token decode."""
@@ -99,6 +119,12 @@ class Scheduler:
                 i += 1
         # Admitting new work right after a preemption would only preempt again.
         seats = len(self.running) + sum(r.seats - 1 for r in self.running)
+        if not self.waiting:
+            return scheduled
+        if not self.admits_waiting():
+            self.defer_admission()
+            return scheduled
+        self.steps_deferred = 0
         while self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs and not preempted:
             request = self.waiting[0]
             if not self._fits(request, held):

@@ -78,6 +78,7 @@ RUNTIME = {
     "fused_ops": Setting(bool),
     "enforce_eager": Setting(bool),
     "overlap_steps": Setting(bool),
+    "admission_interval": Setting(int, 1),
     "tensor_parallel_size": Setting(int, 1),
     "seed": Setting(int, 0),
     "max_loras": Setting(int, 1),
