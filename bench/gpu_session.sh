@@ -16,7 +16,8 @@
 #                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
 #                                            `offline` = bench/profile_offline.py (OFFLINE_ARGS, OFFLINE_CAP_S)
 #                                            `serve` = bench/serve.py --llama-1b (SERVE_ARGS, SERVE_CAP_S; needs
-#                                            the serve extra's wheels in .carry/wheels)
+#                                            the serve extra's wheels in .carry/wheels; SERVE_ARGS_B: a second
+#                                            run in the same call, written to serve/serve_b.*)
 #                                            `bench` = gpu cpu
 #
 # Both trees are installed the same way for the benchmarks: non-editable, with --no-deps, into their own
@@ -262,6 +263,11 @@ if want serve; then
   # shellcheck disable=SC2086
   run_part "serve_bench" "${SERVE_CAP_S:-300}" "$OUT/serve/serve.log" \
     with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve.json" --server-log "$OUT/serve/server.log" ${SERVE_ARGS:-}
+  if [ -n "${SERVE_ARGS_B:-}" ]; then  # a second configuration in the same call, for an A/B on one machine
+    # shellcheck disable=SC2086
+    run_part "serve_bench_b" "${SERVE_CAP_S:-300}" "$OUT/serve/serve_b.log" \
+      with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve_b.json" $SERVE_ARGS_B
+  fi
 fi
 
 # ---------------------------------------------------------------- (c) tests on CUDA, current tree
