@@ -86,14 +86,17 @@ def test_sampled_requests_keep_ordinary_steps(llama):
 
 
 def test_arrivals_wait_out_the_admission_interval_beside_overlapped_steps(llama):
-    """runtime.admission_interval=4: requests arriving one at a time while others decode join every fourth step
+    """An admission interval of 4: requests arriving one at a time while others decode join every fourth step
     (or at once when four wait), so the steps between stay plain decodes (overlapped); the tokens stay
-    transformers'."""
+    transformers'. runtime.admission_interval applies with CUDA graphs only, so on CPU the test sets the
+    scheduler's interval itself."""
     folder, reference = llama
     prompts = prompt_set()
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     llm = LLM(str(folder), overlap_steps=True, admission_interval=4, max_num_batched_tokens=512)
     engine = llm.engine
+    assert engine.scheduler.admission_interval == (4 if engine.uses_cuda_graphs else 1)
+    engine.scheduler.admission_interval = 4
     requests = [engine.add_request(prompt_token_ids=prompts[0], params=params)]
     engine.step()
     deferred = []
