@@ -48,17 +48,18 @@ def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
-    best = None
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us = 1000 * start.elapsed_time(end) / (replays * calls)
-        best = us if best is None else min(best, us)
-    return best
+    return 1000 * min(replay_ms(graph, replays) for _ in range(3)) / calls
+
+
+def replay_ms(graph, replays: int) -> float:
+    """Milliseconds per replay of a captured graph, ``replays`` back to back, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 CASES = [(1, 256), (1, 2048), (8, 256), (64, 256), (64, 1024), (256, 700)]

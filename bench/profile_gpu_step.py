@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from decode_kernel import replay_ms  # noqa: E402
 from gpu import write_checkpoint  # noqa: E402
 
 # The switches of issue 15's changes: the decode kernel launches lanes that loop over splits instead of a
@@ -118,13 +119,7 @@ def main() -> int:
 def graph_time_ms(llm, batch: int, replays: int = 20) -> float:
     graph, _ = llm.engine.runner.graphs.graphs[("decode", llm.engine.runner.graphs.size_for("decode", batch))]
     graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / replays
+    return replay_ms(graph, replays)
 
 
 def interleaved_graph_times(kept, batches, rounds, say) -> dict:
@@ -199,16 +194,7 @@ def profile_decode(llm, batch, steps, table_rows, say) -> dict:
     graph, outputs = runner.graphs.graphs[("decode", size)]
     for _ in range(5):
         graph.replay()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(20):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 20)
-    graph_ms = min(times)
+    graph_ms = min(replay_ms(graph, 20) for _ in range(5))
     logits = outputs[0][:batch]
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
