@@ -104,7 +104,8 @@ class DecodeGraphs:
         with forward_context(context):
             hidden = model(context.buffers["input_ids"], context.positions)
         logits = model.compute_logits(hidden)
-        return logits, hidden, dict(context.layer_outputs), fused_ops.argmax(logits) if model.fused else logits.argmax(-1)
+        argmax = fused_ops.argmax(logits) if model.fused else logits.argmax(-1)
+        return logits, hidden, dict(context.layer_outputs), argmax
 
     def size_for(self, family: str, num_seqs: int) -> int | None:
         """The captured batch size a pass of ``num_seqs`` sequences replays, or None to run eagerly."""

@@ -8,9 +8,11 @@ replaces, so bf16 results match the eager path bit for bit except where
 Triton's ``exp``/``cos`` differ from PyTorch's by an ulp before rounding.
 
 ``linear`` streams a weight matrix through a Triton kernel at the few rows of
-a decode step; the model uses it for the LM head, the one product where it
-beat cuBLAS on the H200 (5%; it lost on the layers' projections, so those stay
-with cuBLAS: bench/results/gpu/round2/gemv.txt).
+a decode step; the model uses it for the LM head, where it beat cuBLAS on the
+H200 by 5% (bench/results/gpu/round2/gemv.txt), and ``projection`` for the
+layers' projections at up to 4 rows, where it wins only under programmatic
+dependent launch (see PROJECTION_GEMV_MAX_ROWS). ``argmax`` replaces torch's
+single-block reduction of a long row inside the decode graphs.
 
 The model uses them only when the runner turns them on (CUDA with triton);
 on CPU the PyTorch ops run. Tests check each kernel against those ops in
