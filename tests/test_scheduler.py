@@ -21,7 +21,7 @@ from zoo.block_manager import BlockManager
 from zoo.decoding import DraftBlock
 from zoo.request import Request, Status
 from zoo.sampling_params import SamplingParams
-from zoo.scheduler import ScheduledRequest, Scheduler
+from zoo.scheduler import ADMIT, LOG_WIDTH, PREEMPT, RESET, RUN, ScheduledRequest, Scheduler
 
 
 def model_token(tokens: list[int]) -> int:
@@ -601,3 +601,70 @@ def test_every_decoding_request_gets_its_token_before_drafts_share_the_rest():
     assert [e.request.request_id for e in scheduled] == [0, 1, 2, 3]
     # 8 tokens: 4 own tokens, and the first request's draft takes the 4 left.
     assert [len(e.draft.tokens) if e.draft else 0 for e in scheduled] == [4, 0, 0, 0]
+
+
+# ---------------------------------------------------------------- a follower replaying the leader's log
+
+
+def state(driver: Driver) -> tuple:
+    scheduler, blocks = driver.scheduler, driver.blocks
+    return ([(r.request_id, r.num_computed_tokens, list(r.block_ids), r.status) for r in scheduler.running],
+            [(r.request_id, r.num_computed_tokens, list(r.block_ids)) for r in scheduler.waiting],
+            list(blocks.ref_counts), list(blocks.free_blocks), blocks.prefix_hit_tokens, scheduler.steps_deferred,
+            [(r.request_id, r.output_token_ids) for r in driver.finished])
+
+
+def replayed_workload(seed: int) -> Counter:
+    """Tensor parallelism: rank 0 schedules and records its decisions; another rank replays them on its own
+    copies of the requests. After every step both hold the same queues, block tables, free list and prefix
+    hits. Returns how often each kind of decision (and a draft cut short) was replayed."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    shared = [rng.randrange(40) for _ in range(12)]
+    plan = [(i, shared[:rng.randint(0, 12)] + [rng.randrange(40) for _ in range(rng.randint(1, 6))],
+             rng.randint(1, 8)) for i in range(24)]
+    longest = max(len(prompt) + max_new for _, prompt, max_new in plan)
+    settings = dict(num_blocks=-(-longest // block_size) + rng.randint(0, 4),  # often too few: preemption
+                    block_size=block_size, max_num_seqs=rng.randint(1, 5),
+                    max_num_batched_tokens=rng.choice([3, 8, 64]), enable_prefix_caching=rng.random() < 0.8,
+                    admission_interval=rng.choice([1, 1, 2, 3]))
+    leader, follower = Driver(**settings), Driver(**settings)
+    budget = settings["max_num_batched_tokens"]
+    kinds = Counter()
+    for _ in range(3000):
+        if plan and (not leader.scheduler.has_work() or rng.random() < 0.3):
+            request_id, prompt, max_new = plan.pop(0)
+            bidirectional = rng.randint(1, min(len(prompt), budget)) if rng.random() < 0.15 else 0
+            for driver in (leader, follower):
+                driver.add(request_id, prompt, max_new, bidirectional)
+        if not leader.scheduler.has_work():
+            if not plan:
+                break
+            continue
+        drafts = {}
+        for request in leader.scheduler.decoding_requests():
+            if rng.random() < 0.5:
+                right = alone_output(request.token_ids, 2)
+                drafts[request.request_id] = DraftBlock.chain([t if rng.random() < 0.7 else 0 for t in right])
+        assert leader.scheduler.fingerprint() == follower.scheduler.fingerprint()
+        log = []
+        entries = leader.scheduler.schedule(drafts, log=log)
+        mirrored = follower.scheduler.replay(log, drafts)
+        kinds.update(log[k] for k in range(0, len(log), LOG_WIDTH))
+        kinds["cut draft"] += sum(e.draft is not None and len(e.draft.tokens) < len(drafts[e.request.request_id].tokens)
+                                  for e in entries)
+        assert ([(e.request.request_id, e.start, e.num_tokens, e.num_query_tokens) for e in entries]
+                == [(e.request.request_id, e.start, e.num_tokens, e.num_query_tokens) for e in mirrored])
+        for driver, step in ((leader, entries), (follower, mirrored)):
+            for entry in step:
+                driver.run(entry)
+        assert state(leader) == state(follower)
+    assert not plan and not leader.scheduler.has_work() and not follower.scheduler.has_work()
+    return kinds
+
+
+def test_a_follower_replaying_the_leaders_log_holds_the_leaders_state():
+    """Random workloads (preemption, prefix caching, drafts, bidirectional prefixes, admission intervals): the
+    follower's state equals the leader's after every step, and every kind of decision was replayed."""
+    kinds = sum((replayed_workload(seed) for seed in range(12)), Counter())
+    assert all(kinds[kind] >= 5 for kind in (PREEMPT, RUN, ADMIT, RESET, "cut draft")), kinds

@@ -3,11 +3,18 @@
 Every request just needs its uncomputed tokens run through the model: a
 prefill is many of them, a decode one (plus any draft tokens). Each step takes
 running requests first, then admits waiting ones, until the token budget or
-the sequence limit is reached. With an admission interval, waiting requests
-join a batch that is decoding at most every few steps (or as soon as that many
-wait), so that arrivals one by one do not make every step a prompt step. When the cache is full, the most recently
+the sequence limit is reached. When the cache is full, the most recently
 admitted request is preempted: its blocks are freed and it is recomputed from
 its tokens later, which gives the same output as if it had run alone.
+
+With an admission interval, waiting requests join a batch that is decoding at
+most every few steps (or as soon as that many wait), so that arrivals one by
+one do not make every step a prompt step.
+
+Under tensor parallelism rank 0 alone decides: ``schedule`` records each
+decision that changes state (preempt, run, admit, reset) in a log of integers,
+and the other ranks ``replay`` it on their copies of the same requests, so
+their block tables and queues stay those of rank 0.
 """
 
 from __future__ import annotations
@@ -18,6 +25,11 @@ from dataclasses import dataclass, field
 from zoo.block_manager import BlockManager
 from zoo.decoding import DraftBlock
 from zoo.request import Request, Status
+
+# Decisions in a schedule log, five integers each: (kind, request id, start, tokens, draft tokens); the last
+# entry, DEFERRED, carries the admission interval's count in its start field.
+PREEMPT, RUN, ADMIT, RESET, DEFERRED = 1, 2, 3, 4, 5
+LOG_WIDTH = 5
 
 
 @dataclass
@@ -83,8 +95,15 @@ class Scheduler:
         """Running requests whose next step is a single-token decode."""
         return [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
 
-    def schedule(self, drafts: dict[int, DraftBlock] | None = None) -> list[ScheduledRequest]:
-        drafts = drafts or {}
+    def schedule(self, drafts: dict[int, DraftBlock] | None = None,
+                 log: list[int] | None = None) -> list[ScheduledRequest]:
+        """This step's entries. ``log``: where to record the decisions, for other ranks to ``replay``."""
+        scheduled = self._schedule(drafts or {}, log.extend if log is not None else (lambda decision: None))
+        if log is not None:
+            log.extend((DEFERRED, 0, self.steps_deferred, 0, 0))
+        return scheduled
+
+    def _schedule(self, drafts: dict[int, DraftBlock], record) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -110,11 +129,13 @@ class Scheduler:
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
+                record((PREEMPT, victim.request_id, 0, 0, 0))
                 preempted = True
                 if victim is request:
                     break
             else:
                 scheduled.append(entry)
+                record((RUN, request.request_id, entry.start, num_tokens, len(entry.draft.tokens) if entry.draft else 0))
                 budget -= entry.num_query_tokens
                 i += 1
         # Admitting new work right after a preemption would only preempt again.
@@ -135,21 +156,70 @@ class Scheduler:
             if request.num_computed_tokens + num_tokens < request.bidirectional_prefix:
                 # A bidirectional prefix is computed in one step: wait for a step with room for all of it.
                 self._reset(request)
+                record((RESET, request.request_id, 0, 0, 0))
                 break
             if not self.blocks.ensure_slots(request, request.num_computed_tokens + num_tokens):
                 # A waiting request holds no blocks: the ones it matched stay cached for its next try,
                 # while running requests (or the preempted request ahead of it) can use them now.
                 self._reset(request)
+                record((RESET, request.request_id, 0, 0, 0))
                 break
-            self.waiting.popleft()
-            # Counted here, not per admission try: a request that had to wait would count its hits again.
-            self.blocks.prefix_hit_tokens += request.num_cached_prompt_tokens
-            request.status = Status.RUNNING
-            self.running.append(request)
+            record((ADMIT, request.request_id, request.num_computed_tokens, num_tokens, 0))
+            self._admit(request)
             seats += request.seats
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _admit(self, request: Request) -> None:
+        self.waiting.popleft()
+        # Counted here, not per admission try: a request that had to wait would count its hits again.
+        self.blocks.prefix_hit_tokens += request.num_cached_prompt_tokens
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    def fingerprint(self) -> int:
+        """A hash of the queues and the cache's use: equal on ranks that hold the same state."""
+        return hash((tuple((r.request_id, r.num_computed_tokens, r.num_tokens) for r in self.running),
+                     tuple(r.request_id for r in self.waiting), self.blocks.num_free_blocks, self.steps_deferred))
+
+    def replay(self, log: list[int], drafts: dict[int, DraftBlock] | None = None) -> list[ScheduledRequest]:
+        """Apply another rank's ``schedule`` log to these same requests: the same preemptions, admissions and
+        block allocations, in the same order; returns the step's entries. ``drafts``: this rank's proposals,
+        cut as the log says."""
+        drafts = drafts or {}
+        running = {r.request_id: r for r in self.running}
+        scheduled = []
+        for k in range(0, len(log), LOG_WIDTH):
+            kind, request_id, start, num_tokens, num_draft = log[k:k + LOG_WIDTH]
+            if kind == PREEMPT:
+                self._preempt(running.pop(request_id))
+            elif kind == DEFERRED:
+                self.steps_deferred = start
+            elif kind == RUN:
+                request = running[request_id]
+                draft = drafts[request_id].first(num_draft) if num_draft else None
+                entry = ScheduledRequest(request, start, num_tokens, draft)
+                self._take_slots(request, start + entry.num_query_tokens)
+                scheduled.append(entry)
+            else:  # ADMIT or RESET: the head of the queue
+                request = self.waiting[0]
+                if request.request_id != request_id:
+                    raise RuntimeError(f"schedule replay: request {request_id} is not first in the queue")
+                if not request.block_ids:
+                    self.blocks.allocate_cached_prefix(request)
+                if kind == RESET:
+                    self._reset(request)
+                    continue
+                self._take_slots(request, start + num_tokens)
+                self._admit(request)
+                running[request_id] = request
+                scheduled.append(ScheduledRequest(request, start, num_tokens))
+        return scheduled
+
+    def _take_slots(self, request: Request, num_slots: int) -> None:
+        if not self.blocks.ensure_slots(request, num_slots):
+            raise RuntimeError(f"schedule replay: no room for request {request.request_id}'s {num_slots} slots")
 
     def _fits(self, request: Request, held: dict) -> bool:
         """Whether the request's step resource fits; if so it is counted as held (the request is about to
