@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import Counter
 
 import pytest
 import torch
@@ -38,9 +39,16 @@ def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, de
     try:
         llm = LLM(folder, model=option, tensor_parallel_size=world, **({"adapters": adapters} if adapters else {}),
                   **({"decoding": decoding} if decoding else {}), overrides=list(overrides))
+        scheduler, calls = llm.engine.scheduler, Counter()
+        for name in ("schedule", "replay"):  # who decides the steps: counted per rank
+            def counted(*a, _method=getattr(scheduler, name), _name=name, **k):
+                calls[_name] += 1
+                return _method(*a, **k)
+            setattr(scheduler, name, counted)
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
         result = {"tokens": [o.token_ids for o in outs], "logprobs": [[e["logprob"] for e in o.logprobs] for o in outs],
-                  "bytes": llm.engine.model.loaded_bytes, "kv_heads": llm.engine.runner.kv.description.num_kv_heads}
+                  "bytes": llm.engine.model.loaded_bytes, "kv_heads": llm.engine.runner.kv.description.num_kv_heads,
+                  "calls": dict(calls)}
     except ZooError as exc:
         result = {"error": str(exc)}
     except Exception:  # noqa: BLE001 - anything else: its traceback, for the test's message
@@ -88,6 +96,9 @@ def test_two_ranks_give_the_tokens_of_one_process(checkpoints, name, tmp_path):
         # each rank read its slices: about half of the checkpoint (norms are read whole); a converted
         # checkpoint is read whole, then cut
         assert rank["bytes"] < (1.01 if name == "gpt2" else 0.6) * checkpoint_bytes(folder)
+    # rank 0 schedules every step; rank 1 only replays its decisions
+    assert ranks[0]["calls"].get("schedule", 0) > 0 and "replay" not in ranks[0]["calls"]
+    assert ranks[1]["calls"].get("replay", 0) == ranks[0]["calls"]["schedule"] and "schedule" not in ranks[1]["calls"]
     kv_heads = getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)
     assert ranks[0]["kv_heads"] == max(1, kv_heads // 2)
 
@@ -237,7 +248,7 @@ def _ranks_given_different_requests(rank, world, port, folder, out_dir):
 
 
 def test_ranks_given_different_requests_stop_with_a_clear_error(checkpoints, tmp_path):
-    """Every rank schedules for itself; a step fingerprint all-reduced each step catches ranks that diverge."""
+    """Rank 0 schedules; the fingerprints gathered with its decisions each step catch ranks that hold other requests."""
     mp.spawn(_ranks_given_different_requests, args=(2, free_port(), str(checkpoints["llama"][0]), str(tmp_path)),
              nprocs=2, join=True)
     for r in range(2):

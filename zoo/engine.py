@@ -202,15 +202,14 @@ class Engine:
         decoding = self.scheduler.decoding_requests() if self.decoding else []
         if len(decoding) > self.draft_batch_limit:  # under load a verify step costs more than its drafts gain
             decoding = []
-        scheduled = self.scheduler.schedule(self._drafts(decoding) if decoding else {})
+        drafts = self._drafts(decoding) if decoding else {}
+        # Under tensor parallelism rank 0 decides and the other ranks replay its decisions.
+        scheduled = (self.scheduler.schedule(drafts) if self.parallel is None
+                     else self.parallel.share_schedule(self.scheduler, drafts))
         if not scheduled:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request; this is a bug")
             return []
-        if self.parallel is not None:  # every rank schedules for itself: one small all-reduce checks they agree
-            self.parallel.check_same(hash(tuple((e.request.request_id, e.start, e.num_tokens,
-                                                 len(e.draft.tokens) if e.draft else 0) for e in scheduled)),
-                                     "this step's schedule")
         batch = self.runner.prepare(scheduled)
         output = self.runner.run(batch)
         if self._overlappable(batch):

@@ -6,9 +6,9 @@ all-reduce and the logits in one all-gather. A rank's KV cache holds only its KV
 when there are fewer KV heads than ranks: each rank then holds the one its query heads read).
 
 The processes come from ``torchrun`` (or any launcher that sets the usual RANK / WORLD_SIZE / MASTER_ADDR
-environment); gloo on CPU, NCCL on GPUs. Every rank runs the same engine on the same requests, so their
-schedules agree step by step; besides the model's own collectives, one small all-reduce per step checks that
-they do (``check_same``).
+environment); gloo on CPU, NCCL on GPUs. Every rank runs the same engine on the same requests, but only rank 0's
+scheduler decides: besides the model's own collectives, one small all-gather per step hands its decisions to the
+other ranks, which replay them, and compares the ranks' scheduler fingerprints (``share_schedule``).
 """
 
 from __future__ import annotations
@@ -55,14 +55,32 @@ class TensorParallel:
             dist.all_gather(parts, local.contiguous())
         return torch.cat(parts, dim=dim)
 
-    def check_same(self, value: int, what: str) -> None:
-        """Every rank must hold the same ``value`` (a fingerprint of its step); else a clear error on all of them,
-        not a collective of mismatched sizes later."""
-        both = self.all_reduce(torch.tensor([value, -value], dtype=torch.int64, device=self.device),
-                               op=dist.ReduceOp.MAX).tolist()
-        if both[0] != -both[1]:
-            raise ZooError(f"tensor-parallel rank {self.rank} of {self.world}: the ranks disagree on {what}; every "
-                           f"rank must be given the same requests in the same order")
+    def share_schedule(self, scheduler, drafts: dict):
+        """This step's entries, as rank 0's scheduler decides them. One all-gather of a fixed-size row per rank:
+        rank 0's holds its scheduler's fingerprint before the step and its decisions (``Scheduler.schedule``'s
+        log), the others' their fingerprints; they replay the decisions on their own copies of the requests. Ranks
+        whose state differs from rank 0's stop, all of them, with a clear error, not a collective of mismatched
+        sizes later."""
+        from zoo.scheduler import LOG_WIDTH
+
+        # At most: a preemption and an entry per running request, one reset, the closing count.
+        width = 2 + LOG_WIDTH * (2 * scheduler.max_num_seqs + 2)
+        row, log = [scheduler.fingerprint()], []
+        scheduled = scheduler.schedule(drafts, log=log) if self.rank == 0 else None
+        row += [len(log), *log]
+        if len(row) > width:
+            raise RuntimeError(f"a schedule log of {len(log)} integers outgrew its row of {width}; this is a bug")
+        rows = torch.zeros(self.world, width, dtype=torch.int64, device=self.device)
+        mine = torch.tensor(row + [0] * (width - len(row)), dtype=torch.int64, device=self.device)
+        with self._collective("all-gather"):
+            dist.all_gather(list(rows.unbind(0)), mine)
+        rows = rows.tolist()
+        if any(r[0] != rows[0][0] for r in rows):
+            raise ZooError(f"tensor-parallel rank {self.rank} of {self.world}: the ranks disagree on this step's "
+                           f"schedule; every rank must be given the same requests in the same order")
+        if scheduled is None:
+            scheduled = scheduler.replay(rows[0][2:2 + rows[0][1]], drafts)
+        return scheduled
 
     def from_rank0(self, value):
         """Rank 0's ``value`` (any picklable object) on every rank: what only rank 0 reads, such as the input."""
