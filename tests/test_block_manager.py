@@ -426,3 +426,19 @@ def test_blocks_keyed_on_the_next_token_are_shared_only_where_it_is_equal():
     c = make_request(3, list(range(100, 108)))
     admit_and_compute(blocks, c)
     assert c.num_hashed_blocks == 1
+
+
+def test_the_slots_of_a_range_are_its_indices_through_the_block_table():
+    """A step's layout takes a chunk's cache slots a block's run at a time; the same as one index at a time."""
+    import random
+
+    from zoo.step_inputs import slots_of_range
+
+    rng = random.Random(0)
+    for _ in range(500):
+        block_size, num_blocks = rng.choice([1, 2, 3, 16]), rng.randint(1, 12)
+        block_ids = rng.sample(range(100), num_blocks)
+        start = rng.randrange(num_blocks * block_size)
+        end = rng.randint(start + 1, num_blocks * block_size)
+        assert slots_of_range(block_ids, block_size, start, end) == [
+            block_ids[i // block_size] * block_size + i % block_size for i in range(start, end)]
