@@ -73,8 +73,9 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def launches_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with programmatic dependent launch."""
-    if not PDL or triton is None or device.type != "cuda":
+    """Whether kernels on ``device`` are launched with programmatic dependent launch (Hopper or later, and a
+    Triton that has it: 3.3 on)."""
+    if not PDL or triton is None or device.type != "cuda" or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
