@@ -122,23 +122,41 @@ def graph_time_ms(llm, batch: int, replays: int = 20) -> float:
     return replay_ms(graph, replays)
 
 
-def interleaved_graph_times(kept, batches, rounds, say) -> dict:
-    """Each variant's decode graph replay time, variants interleaved round by round (A B C A B C ...), so that a
-    drift of the machine over the run falls on all of them alike; medians, and ratios to the first variant."""
-    times = {(key, batch): [] for key, _ in kept for batch in batches}
-    for _ in range(rounds):
+def prefill_time_ms(llm, length: int, seed: int) -> float:
+    """One prompt of ``length`` fresh random tokens (no prefix cache hit), prefilled and one token sampled."""
+    from zoo import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, llm.engine.description.vocab_size, (length,), generator=g).tolist()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start)
+
+
+def interleaved_graph_times(kept, batches, rounds, say, prefill_length: int = 2040) -> dict:
+    """Each variant's decode graph replay time and a whole-prompt prefill, variants interleaved round by round
+    (A B C A B C ...), so that a drift of the machine over the run falls on all of them alike; medians, and
+    ratios to the first variant. (A prompt's prefill is an eager step: its time includes the host's.)"""
+    times = {(key, batch): [] for key, _ in kept for batch in [*batches, "prefill"]}
+    for r in range(rounds):
         for batch in batches:
             for key, llm in kept:
                 times[(key, batch)].append(graph_time_ms(llm, batch))
-    say(f"=== interleaved graph replays, {rounds} rounds of 20, median ms (ratio to {kept[0][0]})")
+        for key, llm in kept:
+            times[(key, "prefill")].append(prefill_time_ms(llm, prefill_length, seed=r))
+    say(f"=== interleaved, {rounds} rounds, median ms (ratio to {kept[0][0]}): decode graph replays (20 a round) "
+        f"at each batch, and a 1 x {prefill_length} prefill")
     result = {}
-    for batch in batches:
+    for batch in [*batches, "prefill"]:
         base = statistics.median(times[(kept[0][0], batch)])
         for key, _ in kept:
             ms = statistics.median(times[(key, batch)])
             spread = max(times[(key, batch)]) - min(times[(key, batch)])
-            say(f"  batch {batch:3d} {key:40s} {ms:.4f} ms (spread {spread:.4f})  {base / ms:.3f}x")
-            result[f"{key} batch {batch}"] = {"median_ms": ms, "all_ms": times[(key, batch)]}
+            label = f"batch {batch:3d}" if batch != "prefill" else "prefill  "
+            say(f"  {label} {key:40s} {ms:.4f} ms (spread {spread:.4f})  {base / ms:.3f}x")
+            result[f"{key} {label.strip()}"] = {"median_ms": ms, "all_ms": times[(key, batch)]}
     return result
 
 
