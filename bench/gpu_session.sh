@@ -14,6 +14,7 @@
 #                                            `lora` = bench/lora_gpu.py (LORA_ARGS, LORA_CAP_S)
 #                                            `profile` = bench/profile_gpu_step.py (PROFILE_ARGS, PROFILE_CAP_S)
 #                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
+#                                            `norm_gemv` = bench/norm_gemv.py (the norm folded into the GEMV)
 #                                            `offline` = bench/profile_offline.py (OFFLINE_ARGS, OFFLINE_CAP_S)
 #                                            `serve` = bench/serve.py --llama-1b (SERVE_ARGS, SERVE_CAP_S; needs
 #                                            the serve extra's wheels in .carry/wheels; SERVE_ARGS_B: a second
@@ -59,7 +60,7 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec|lora|profile|gemv|serve|offline) PARTS+=("$a") ;;
+    gpu|cpu|tests|anchor|spec|lora|profile|gemv|norm_gemv|serve|offline) PARTS+=("$a") ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -248,6 +249,8 @@ if want gemv; then
   run_part "gemv_kernel" "${GEMV_CAP_S:-200}" "$STAGE/gemv.log" \
     with_tree current "$PY" "$ROOT/bench/gemv_kernel.py" --out "$OUT/gemv.txt" ${GEMV_ARGS:-}
 fi
+want norm_gemv && run_part "norm_gemv" 120 "$STAGE/norm_gemv.log" \
+  with_tree current "$PY" "$ROOT/bench/norm_gemv.py" --out "$OUT/norm_gemv.txt"
 
 # shellcheck disable=SC2086
 want offline && bench_part profile_offline "${OFFLINE_CAP_S:-300}" profile_offline.py offline ${OFFLINE_ARGS:-}
