@@ -63,7 +63,8 @@ if triton is not None:
             w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & (ks < k)[None, :],
                         other=0.0)
             acc += tl.dot(normed, tl.trans(w))
-        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], acc.to(dtype),
+                 mask=row_ok[:, None] & col_ok[None, :])
 
 
 def norm_gemv(x, residual, norm_weight, weight, eps):

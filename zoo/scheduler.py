@@ -135,7 +135,8 @@ class Scheduler:
                     break
             else:
                 scheduled.append(entry)
-                record((RUN, request.request_id, entry.start, num_tokens, len(entry.draft.tokens) if entry.draft else 0))
+                record((RUN, request.request_id, entry.start, num_tokens,
+                        len(entry.draft.tokens) if entry.draft else 0))
                 budget -= entry.num_query_tokens
                 i += 1
         # Admitting new work right after a preemption would only preempt again.

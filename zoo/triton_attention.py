@@ -244,6 +244,6 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), SPLIT_TOKENS=blocks_per_split * block_size,
-        **pdl_options(q.device))
+        HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
+        SPLIT_TOKENS=blocks_per_split * block_size, **pdl_options(q.device))
     return out
