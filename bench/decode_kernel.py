@@ -39,6 +39,21 @@ def time_kernel(batch: int, context: int, calls: int = 16, replays: int = 50) ->
     return graph_time(call, calls, replays)
 
 
+class Report:
+    """Lines printed as they come and kept, then written with the command that made them (``--out``)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def write(self, path) -> None:
+        with open(path, "w") as f:
+            f.write(f"Command (H200): python3 {' '.join(sys.argv)}\n" + "\n".join(self.lines) + "\n")
+
+
 def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
     """Microseconds per ``fn()`` call: a CUDA graph of ``calls`` calls replayed ``replays`` times (best of 3)."""
     fn()

@@ -20,7 +20,7 @@ import torch
 from zoo import fused_ops
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_kernel import graph_time  # noqa: E402
+from decode_kernel import Report, graph_time  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
           "lm_head": (128256, 2048)}
@@ -32,11 +32,7 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    lines = []
-
-    def say(text):
-        print(text, flush=True)
-        lines.append(text)
+    say = Report()
 
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 30 for name, (n, k) in SHAPES.items()}
     say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -74,8 +70,7 @@ def main() -> int:
             say(f"| {name} | {rows} | {ours:.2f} | {nbytes / ours / 1e6:.2f} | {cublas:.2f} | "
                 f"{nbytes / cublas / 1e6:.2f} | {cublas / ours:.2f} |")
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("Command (H200): python3 bench/gemv_kernel.py " + " ".join(sys.argv[1:]) + "\n" + "\n".join(lines) + "\n")
+        say.write(args.out)
     return 0
 
 

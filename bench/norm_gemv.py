@@ -112,11 +112,9 @@ def main() -> int:
     p.add_argument("--small", action="store_true", help="small shapes (for the interpreter)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    lines = []
+    from decode_kernel import Report, graph_time
 
-    def say(text):
-        print(text, flush=True)
-        lines.append(text)
+    say = Report()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = ({"qkv": (48, 600), "gate_up": (160, 96)} if args.small
@@ -125,8 +123,6 @@ def main() -> int:
     ok = all(check(device, dtype, shapes, say) for dtype in dtypes)
     if not ok or args.check_only or device.type != "cuda":
         return 0 if ok else 1
-    from decode_kernel import graph_time
-
     say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, PDL {pdl_options(device)}")
     say("| shape | rows | norm + GEMV us | fused us | two / fused |")
     say("|---|---|---|---|---|")
@@ -140,8 +136,7 @@ def main() -> int:
             one = graph_time(lambda: norm_gemv(x, residual, norm_weight, weight, 1e-5))
             say(f"| {name} {(n, k)} | {rows} | {two:.2f} | {one:.2f} | {two / one:.3f} |")
     if args.out:
-        Path(args.out).write_text("Command (H200): python3 bench/norm_gemv.py " + " ".join(sys.argv[1:]) + "\n"
-                                  + "\n".join(lines) + "\n")
+        say.write(args.out)
     return 0
 
 
