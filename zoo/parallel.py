@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zoo.description import ModelDescription
 from zoo.errors import ZooError
+from zoo.scheduler import LOG_WIDTH
 
 COLLECTIVE_TIMEOUT_S = 300  # a rank that dies or hangs ends the others' collectives with an error, not a hang
 
@@ -61,8 +62,6 @@ class TensorParallel:
         log), the others' their fingerprints; they replay the decisions on their own copies of the requests. Ranks
         whose state differs from rank 0's stop, all of them, with a clear error, not a collective of mismatched
         sizes later."""
-        from zoo.scheduler import LOG_WIDTH
-
         # At most: a preemption and an entry per running request, one reset, the closing count.
         width = 2 + LOG_WIDTH * (2 * scheduler.max_num_seqs + 2)
         row, log = [scheduler.fingerprint()], []
