@@ -74,6 +74,9 @@ def main() -> int:
     p.add_argument("--ab-rounds", type=int, default=0,
                    help="keep every variant's engine and time their decode graphs in this many interleaved "
                         "rounds (needs --num-kv-blocks N, so that they fit side by side)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also profile the host side of a 1 x 2,040 prefill: cProfile's top functions, and the "
+                        "calls that synchronise with the GPU (torch.cuda.set_sync_debug_mode)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.ab_rounds and 0 in args.num_kv_blocks:
@@ -101,6 +104,8 @@ def main() -> int:
                 entry["decode"][batch] = profile_decode(llm, batch, args.steps, args.table_rows, say)
             if not args.no_prefill:
                 entry["prefill"] = profile_prefill(llm, say)
+            if args.host_profile:
+                entry["prefill_host"] = profile_prefill_host(llm, say)
             if args.ab_rounds:
                 kept.append((key, llm))
             del llm
@@ -308,6 +313,61 @@ def profile_prefill(llm, say, table_rows=16) -> dict:
             profiled_ms=wall_ms, kernels=len(kernels), busy_ms=busy / 1000, gap_ms=gaps / 1000,
             table=[{"name": n, "count": c, "us": b, "gap_us": gp} for n, (c, b, gp) in rows])
     return results
+
+
+def profile_prefill_host(llm, say, length: int = 2040, runs: int = 3, top: int = 30) -> dict:
+    """Where the host spends an eager prefill step: cProfile over ``runs`` prefills of one fresh prompt, by own
+    time and by cumulative time, and every call that waits for the GPU (with the zoo frames that made it)."""
+    import cProfile
+    import io
+    import pstats
+    import traceback
+    import warnings
+
+    from zoo import SamplingParams
+
+    vocab = llm.engine.description.vocab_size
+    g = torch.Generator().manual_seed(77)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    prompts = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(runs + 1)]
+    llm.generate([prompts[0]], params)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for prompt in prompts[1:]:
+        llm.generate([prompt], params)
+    torch.cuda.synchronize()
+    profiler.disable()
+    wall_ms = 1000 * (time.perf_counter() - start) / runs
+    say(f"host profile of a 1 x {length} prefill ({runs} runs under cProfile): {wall_ms:.1f} ms per run")
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        say(f"--- by {order}")
+        for line in text.getvalue().splitlines():
+            if line.strip() and "function calls" not in line and "Ordered by" not in line:
+                say("  " + line.rstrip()[:160])
+    syncs = defaultdict(int)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/zoo/" in f.filename or "/plugins/" in f.filename]
+        where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
+        syncs[f"{str(message)[:60]} at {where}"] += 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        original, warnings.showwarning = warnings.showwarning, record
+        try:
+            llm.generate([torch.randint(0, vocab, (length,), generator=g).tolist()], params)
+        finally:
+            warnings.showwarning = original
+            torch.cuda.set_sync_debug_mode(0)
+    say(f"calls that synchronise with the GPU in one prefill: {sum(syncs.values())}")
+    for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):
+        say(f"  {count:4d} x {where}")
+    return {"wall_ms": wall_ms, "syncs": dict(syncs)}
 
 
 if __name__ == "__main__":
