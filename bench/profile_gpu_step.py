@@ -348,26 +348,37 @@ def profile_prefill_host(llm, say, length: int = 2040, runs: int = 3, top: int =
         for line in text.getvalue().splitlines():
             if line.strip() and "function calls" not in line and "Ordered by" not in line:
                 say("  " + line.rstrip()[:160])
-    syncs = defaultdict(int)
 
-    def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/zoo/" in f.filename or "/plugins/" in f.filename]
-        where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
-        syncs[f"{str(message)[:60]} at {where}"] += 1
+    def census(label, prompts, params) -> dict:
+        syncs = defaultdict(int)
 
-    torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        original, warnings.showwarning = warnings.showwarning, record
-        try:
-            llm.generate([torch.randint(0, vocab, (length,), generator=g).tolist()], params)
-        finally:
-            warnings.showwarning = original
-            torch.cuda.set_sync_debug_mode(0)
-    say(f"calls that synchronise with the GPU in one prefill: {sum(syncs.values())}")
-    for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):
-        say(f"  {count:4d} x {where}")
-    return {"wall_ms": wall_ms, "syncs": dict(syncs)}
+        def record(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/zoo/" in f.filename or "/plugins/" in f.filename]
+            syncs[" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:][::-1])] += 1
+
+        steps = llm.engine.stats.steps
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            original, warnings.showwarning = warnings.showwarning, record
+            try:
+                llm.generate(prompts, params)
+            finally:
+                warnings.showwarning = original
+                torch.cuda.set_sync_debug_mode(0)
+        say(f"calls that synchronise with the GPU in {label}: {sum(syncs.values())}"
+            + f" over {llm.engine.stats.steps - steps} steps")
+        for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):
+            say(f"  {count:5d} x {where}")
+        return dict(syncs)
+
+    one = census("one prefill", [torch.randint(0, vocab, (length,), generator=g).tolist()], params)
+    # More requests than max_num_seqs, of mixed lengths: admissions join running decodes (mixed steps).
+    lengths = torch.randint(16, 512, (96,), generator=g).tolist()
+    mixed = census("96 requests of 16-511 prompt and 1-128 new tokens",
+                   [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths],
+                   [SamplingParams(max_new_tokens=1 + i % 128, ignore_eos=True) for i in range(96)])
+    return {"wall_ms": wall_ms, "syncs_prefill": one, "syncs_mixed": mixed}
 
 
 if __name__ == "__main__":

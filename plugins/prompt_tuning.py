@@ -84,6 +84,10 @@ class PromptTuning(AdapterKind):
     @hookimpl
     def zoo_engine_start(self, setup):
         setup.add_buffer(BufferSpec(TABLE_ROW, (setup.limits.max_num_tokens,), fill=-1))
+        # a prompt graph writes no table rows: prompt steps of a request with an adapter run eagerly
+        setup.run_eagerly_when(lambda scheduled: any(
+            e.start < len(e.request.prompt_token_ids) and self.engine.adapters.name_for(e.request, self)
+            for e in scheduled))
 
     @hookimpl
     def zoo_step_prepare(self, batch, buffers):

@@ -308,6 +308,13 @@ def zoo_request_admit(request, engine):
 
 
 @hookimpl
+def zoo_engine_start(setup):
+    # a graph leaves the image features out: steps of prompts with images run eagerly
+    setup.run_eagerly_when(lambda scheduled: any(
+        STATE in e.request.plugin_state and e.start < len(e.request.prompt_token_ids) for e in scheduled))
+
+
+@hookimpl
 def zoo_embed_modify(hidden, context):
     batch = context.batch
     if batch is None:  # a graph-captured decode step: its tokens are never prompt image pads

@@ -14,10 +14,23 @@ for steps with an adapter request) adds a variant: the model's own families
 are captured once more with ``context.graph_variant`` set to its name, and a
 step replays that variant when the plugin's predicate holds for it, the plain
 graphs otherwise.
+
+Steps of whole prompts replay graphs too (``runtime.prompt_graph_tokens``),
+one per token bucket: an eager pass launches some 270 kernels for a 1B
+model, and on the H200 the host took longer to launch them than the GPU to
+run them (a 2,047-token prompt: 8 ms of kernels, 10-17 ms of host). The
+step's rows are padded to the bucket with a dummy prompt writing to the
+scratch block, and up to PROMPT_GRAPH_SEQS prompts go through one varlen
+flash call whose sequence boundaries are a buffer the step writes. Steps a
+plugin must run eagerly (its work reads the step's requests, as prompt
+tuning's virtual tokens or an image's features do) say so with
+:meth:`zoo.engine_setup.EngineSetup.run_eagerly_when`.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +38,12 @@ import torch
 
 from zoo import fused_ops
 from zoo.forward_context import ForwardContext, forward_context
+from zoo.model import RaggedCausal
+
+PROMPT_FAMILY = "prompt"
+# Prompts one prompt graph holds. Its varlen call runs one more sequence (the padding) and launches programs for
+# every sequence at the bucket's length; the empty ones return at once, so a few cost little.
+PROMPT_GRAPH_SEQS = 8
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,12 @@ class DecodeGraphs:
         self.graphs: dict[tuple, tuple] = {}  # (family, size[, variant]) -> (graph, outputs)
         self.replays: dict[str, int] = {}  # family (+variant) -> replays, to tell which ran
         self.variants: dict[str, Callable] = {}  # name -> predicate on a step's scheduled requests
+        self.eager_when: list[Callable] = []  # predicates on a step's scheduled requests: no graph for it
+        self.prompt_sizes: list[int] = []  # the prompt buckets captured
+        self.prompt_tokens = 0  # the largest prompt bucket (runtime.prompt_graph_tokens); 0: prompts run eagerly
+        # a prompt graph's sequence boundaries (int32, as flash's varlen call takes them): its prompts', then the
+        # padding's, then empty sequences up to PROMPT_GRAPH_SEQS + 1
+        self.prompt_bounds = torch.zeros(PROMPT_GRAPH_SEQS + 2, dtype=torch.int32, device=runner.device)
 
     def add(self, family: GraphFamily) -> None:
         if family.name in self.families:
@@ -68,11 +93,33 @@ class DecodeGraphs:
         sizes = [n for n in (1, 2, 4, 8) if n < limit] + list(range(16, limit, 16)) + [limit]
         return sorted(set(n for n in sizes if n >= 1))
 
+    def prompt_buckets(self) -> list[int]:
+        """Token counts prompt graphs are captured for: powers of two up to 256, then every 256 (a step pads to
+        the next one, so at most a quarter of the work is padding past 256 tokens)."""
+        runner = self.runner
+        limit = min(self.prompt_tokens, runner.limits.max_num_tokens)
+        if (limit < 1 or not (runner.ragged_path and runner.fresh_causal_path)
+                or runner.description.sliding_window):
+            return []
+        sizes = [n for n in (16, 32, 64, 128, 256) if n < limit] + list(range(512, limit, 256)) + [limit]
+        return sorted(set(sizes))
+
     def capture(self) -> None:
-        """Every family, largest first, sharing one memory pool."""
-        runner, device = self.runner, self.runner.device
-        pool = None
-        stream = torch.cuda.Stream(device)
+        """Every family, largest first, sharing one memory pool; prompt graphs first (their activations are
+        the largest, and later captures reuse the pool's free memory)."""
+        runner = self.runner
+        self._pool, self._stream = None, torch.cuda.Stream(runner.device)
+        self.prompt_sizes = self.prompt_buckets()
+        for tokens in reversed(self.prompt_sizes):
+            self.pad_prompts(None, tokens)
+            ragged = RaggedCausal(rows=None, key_slots=runner.buffers["slot_mapping"][:tokens],
+                                  cu_queries=self.prompt_bounds, cu_keys=self.prompt_bounds,
+                                  longest_query=tokens, longest_keys=tokens)
+            meta = runner.attention_metadata(tokens, PROMPT_GRAPH_SEQS, tokens, 1, False, use_kernel=False,
+                                             ragged=ragged)
+            context = ForwardContext(meta, runner.step_buffers({"token": tokens, "seq": PROMPT_GRAPH_SEQS}), None)
+            body = functools.partial(self._model_body, logits_rows=PROMPT_GRAPH_SEQS)
+            self.graphs[(PROMPT_FAMILY, tokens)] = self._capture(body, context)
         captures = [(family, None) for family in self.families.values()]
         captures += [(family, variant) for variant in self.variants for family in self.families.values()
                      if family.body == self._model_body]
@@ -85,25 +132,32 @@ class DecodeGraphs:
                                                  family.tree, True)
                 meta.block_tables = runner.buffers["block_tables"][:size]  # full width: any context length fits
                 context = ForwardContext(meta, buffers, None, graph_variant=variant)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream), torch.inference_mode():
-                    family.body(context)  # warm-up: compiles kernels, fills caches
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                context.layer_outputs = {}
-                with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
-                    outputs = family.body(context)
-                pool = graph.pool()
-                self.graphs[(family.name, size) + ((variant,) if variant else ())] = (graph, outputs)
-        torch.cuda.synchronize(device)
+                self.graphs[(family.name, size) + ((variant,) if variant else ())] = self._capture(family.body,
+                                                                                                   context)
+        torch.cuda.synchronize(runner.device)
 
-    def _model_body(self, context: ForwardContext):
-        # Every row of a graph step gives logits, in order: no logits_indices gather needed. The argmax rides
-        # along (a few microseconds in the graph, against an eager launch after it for every greedy step).
+    def _capture(self, body, context: ForwardContext) -> tuple:
+        device, stream = self.runner.device, self._stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            body(context)  # warm-up: compiles kernels, fills caches
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        context.layer_outputs = {}
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            outputs = body(context)
+        self._pool = graph.pool()
+        return graph, outputs
+
+    def _model_body(self, context: ForwardContext, logits_rows: int = 0):
+        # Every row of a decode or verify graph step gives logits, in order: no logits_indices gather needed. A
+        # prompt graph's logits are those of the first ``logits_rows`` logits_indices. The argmax rides along
+        # (a few microseconds in the graph, against an eager launch after it for every greedy step).
         model = self.runner.model
         with forward_context(context):
             hidden = model(context.buffers["input_ids"], context.positions)
-        logits = model.compute_logits(hidden)
+        rows = self.runner.buffers["logits_indices"][:logits_rows] if logits_rows else slice(None)
+        logits = model.compute_logits(hidden[rows])
         argmax = fused_ops.argmax(logits) if model.fused else logits.argmax(-1)
         return logits, hidden, dict(context.layer_outputs), argmax
 
@@ -115,12 +169,40 @@ class DecodeGraphs:
 
     def key_for(self, scheduled) -> tuple | None:
         """The (family, size[, variant]) a model step replays, or None to run eagerly."""
-        if not self.graphs or any(e.num_tokens != 1 or not e.samples for e in scheduled):
+        if (not self.graphs or any(e.num_tokens != 1 or not e.samples for e in scheduled)
+                or any(when(scheduled) for when in self.eager_when)):
             return None
         family = "verify" if any(e.draft is not None for e in scheduled) else "decode"
         size = self.size_for(family, len(scheduled))
         variant = next((name for name, when in self.variants.items() if when(scheduled)), None)
         return None if size is None else (family, size) + ((variant,) if variant else ())
+
+    def prompt_key(self, layout, scheduled) -> tuple | None:
+        """(PROMPT_FAMILY, bucket) for a step of whole prompts that a prompt graph can replay, else None."""
+        buckets = self.prompt_sizes
+        if (not buckets or layout.decode_rows or layout.chunk_spans or not layout.splittable
+                or not layout.fresh_causal or len(layout.prompt_spans) > PROMPT_GRAPH_SEQS
+                or len(layout.logits_indices) > PROMPT_GRAPH_SEQS
+                or any(when(scheduled) for when in itertools.chain(self.variants.values(), self.eager_when))):
+            return None
+        tokens = len(layout.input_ids)
+        bucket = min((size for size in buckets if size >= tokens), default=None)
+        return None if bucket is None else (PROMPT_FAMILY, bucket)
+
+    def pad_prompts(self, layout, tokens: int) -> None:
+        """A prompt step's rows past its own, up to ``tokens``, become a dummy prompt writing to the scratch
+        block; its sequence boundaries go to ``prompt_bounds``. ``layout`` None: all ``tokens`` rows (capture)."""
+        runner = self.runner
+        buf, real = runner.buffers, 0 if layout is None else len(layout.input_ids)
+        if real < tokens:
+            buf["input_ids"][real:tokens] = 0
+            buf["positions"][:, real:tokens] = 0
+            buf["slot_mapping"][real:tokens] = runner.kv.scratch_block * runner.block_size
+        logits = 0 if layout is None else len(layout.logits_indices)
+        buf["logits_indices"][logits:PROMPT_GRAPH_SEQS] = 0
+        ends = [] if layout is None else list(itertools.accumulate(n for _, n in layout.prompt_spans))
+        bounds = [0, *ends] + [tokens] * (PROMPT_GRAPH_SEQS + 1 - len(ends))
+        self.prompt_bounds.copy_(torch.tensor(bounds, dtype=torch.int32), non_blocking=True)
 
     def replay(self, family: str, size: int, variant: str | None = None) -> tuple:
         graph, outputs = self.graphs[(family, size) + ((variant,) if variant else ())]

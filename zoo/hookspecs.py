@@ -282,7 +282,9 @@ def zoo_embed_modify(hidden: "torch.Tensor", context: "ForwardContext", model: "
     Runs inside the forward pass, after the token (and learned position)
     embeddings. ``hidden`` is ``[num_tokens, hidden_size]``. Also recorded into
     CUDA graphs, where ``context.batch`` is ``None``: read per-step data from
-    ``context.buffers`` with tensor operations only.
+    ``context.buffers`` with tensor operations only. Prompt steps replay graphs
+    too; work that needs the step's requests must keep its steps eager with
+    ``setup.run_eagerly_when`` (see ``zoo_engine_start``).
     """
 
 

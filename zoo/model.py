@@ -57,20 +57,20 @@ class MixedStep:
     chunks after cached tokens by SDPA over their own blocks with a mask of their own. One dense mask over the
     whole step would pad every decode token to the longest chunk and every sequence to the widest table."""
 
-    decode_rows: torch.Tensor | None  # [Td] token rows of the decode tokens
-    decode_seq: torch.Tensor | None  # [Td] their sequences (rows of block_tables)
-    decode_cache_index: torch.Tensor | None  # [Td] their cache indices
-    prompt_rows: torch.Tensor | None  # [Tp] token rows of the whole prompts
-    prompt_slots: torch.Tensor | None  # [Tp] their cache slots
-    prompt_seq: torch.Tensor | None  # [Tp] which prompt, 0..num_prompts-1
-    prompt_query_index: torch.Tensor | None  # [Tp] index in its prompt
-    num_prompts: int
-    longest_prompt: int
-    chunk_rows: torch.Tensor | None  # [Tc] token rows of the chunks
-    chunk_seq: torch.Tensor | None  # [Tc] which chunk, 0..chunks-1
-    chunk_query_index: torch.Tensor | None  # [Tc] index in its chunk
-    chunk_tables: torch.Tensor | None  # [chunks, blocks] their block tables
-    chunk_mask: torch.Tensor | None  # [chunks, 1, longest chunk, blocks * block_size]
+    decode_rows: torch.Tensor | None = None  # [Td] token rows of the decode tokens
+    decode_seq: torch.Tensor | None = None  # [Td] their sequences (rows of block_tables)
+    decode_cache_index: torch.Tensor | None = None  # [Td] their cache indices
+    prompt_rows: torch.Tensor | None = None  # [Tp] token rows of the whole prompts
+    prompt_slots: torch.Tensor | None = None  # [Tp] their cache slots
+    prompt_seq: torch.Tensor | None = None  # [Tp] which prompt, 0..num_prompts-1
+    prompt_query_index: torch.Tensor | None = None  # [Tp] index in its prompt
+    num_prompts: int = 0
+    longest_prompt: int = 0
+    chunk_rows: torch.Tensor | None = None  # [Tc] token rows of the chunks
+    chunk_seq: torch.Tensor | None = None  # [Tc] which chunk, 0..chunks-1
+    chunk_query_index: torch.Tensor | None = None  # [Tc] index in its chunk
+    chunk_tables: torch.Tensor | None = None  # [chunks, blocks] their block tables
+    chunk_mask: torch.Tensor | None = None  # [chunks, 1, longest chunk, blocks * block_size]
     ragged: "RaggedCausal | None" = None  # on CUDA: whole prompts and chunks together, in place of the two above
 
 

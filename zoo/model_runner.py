@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from zoo import triton_attention
-from zoo.cuda_graphs import DecodeGraphs
+from zoo.cuda_graphs import PROMPT_FAMILY, DecodeGraphs
 from zoo.description import ModelDescription
 from zoo.forward_context import ForwardContext, forward_context
 from zoo.kv_cache import KVCache
@@ -121,9 +121,13 @@ class ModelRunner:
         if stride > 1:
             layout.every_row_gives_logits()
         max_query, num_blocks = layout.write(self.buffers, [e.request.block_ids for e in scheduled])
+        if graph is None:
+            graph = self.graphs.prompt_key(layout, scheduled)
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,
                           layout.logits_indices, graph=graph, prompt_logits_rows=layout.prompt_logits_rows)
-        if graph is None:
+        if graph is not None and graph[0] == PROMPT_FAMILY:
+            self.graphs.pad_prompts(layout, graph[1])
+        elif graph is None:
             unmasked = self.fresh_causal_path and not self.description.sliding_window
             split = unmasked and self.decode_kernel and layout.splittable
             # whole prompts alone take the ragged call too where it runs: no padding to the longest prompt
@@ -165,15 +169,18 @@ class ModelRunner:
 
     def attention_metadata(self, num_tokens, num_seqs, max_query, num_blocks, has_drafts,
                            use_kernel: bool | None = None, fresh_causal: bool = False,
-                           split: StepLayout | None = None) -> AttentionMetadata:
+                           split: StepLayout | None = None, ragged: RaggedCausal | None = None
+                           ) -> AttentionMetadata:
         """The step's attention metadata; ``use_kernel`` None: the decode kernel wherever it handles the query.
         ``fresh_causal``: every sequence attends causally over exactly this step's tokens (whole prompts).
-        ``split``: a splittable step's layout, attended group by group (:class:`zoo.model.MixedStep`)."""
+        ``split``: a splittable step's layout, attended group by group (:class:`zoo.model.MixedStep`).
+        ``ragged``: every row of the step attended by this one varlen call (a prompt graph's)."""
         if use_kernel is None:
             use_kernel = self.decode_kernel and max_query <= 1 + self.limits.max_draft_tokens
         fresh_causal = fresh_causal and not use_kernel
         buf = self.buffers
-        mixed = None if use_kernel or fresh_causal or split is None else self._mixed_step(split)
+        mixed = (MixedStep(ragged=ragged) if ragged is not None
+                 else None if use_kernel or fresh_causal or split is None else self._mixed_step(split))
         visible = buf["draft_visible"][:num_tokens] if has_drafts else None
         mask = (None if use_kernel or fresh_causal or mixed
                 else self._dense_mask(num_tokens, num_seqs, max_query, num_blocks, visible))
@@ -213,10 +220,7 @@ class ModelRunner:
                       decode_seq=None if decode_rows is None else buf["token_seq"][decode_rows],
                       decode_cache_index=None if decode_rows is None else buf["token_cache_index"][decode_rows])
         if self.ragged_path and (layout.prompt_spans or layout.chunk_spans):
-            return MixedStep(**decode, prompt_rows=None, prompt_slots=None, prompt_seq=None, prompt_query_index=None,
-                             num_prompts=0, longest_prompt=0, chunk_rows=None, chunk_seq=None,
-                             chunk_query_index=None, chunk_tables=None, chunk_mask=None,
-                             ragged=self._ragged(layout))
+            return MixedStep(**decode, ragged=self._ragged(layout))
         prompt_rows = on_device([r for first, n in layout.prompt_spans for r in range(first, first + n)])
         prompt_seq, prompt_index = spans([n for _, n in layout.prompt_spans])
         chunk_rows = on_device([r for _, first, n in layout.chunk_spans for r in range(first, first + n)])

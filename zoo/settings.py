@@ -75,6 +75,7 @@ RUNTIME = {
     "enable_prefix_caching": Setting(bool),
     "attention_backend": Setting(str, choices=("auto", "sdpa", "triton")),
     "cuda_graphs": Setting(bool),
+    "prompt_graph_tokens": Setting(int, 0),
     "fused_ops": Setting(bool),
     "enforce_eager": Setting(bool),
     "overlap_steps": Setting(bool),

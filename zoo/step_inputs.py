@@ -202,8 +202,11 @@ class StepLayout:
         max_query = max(len(r) for r in self.visible_rows)
         num_blocks = max(len(b) for b in block_ids)
         num_seqs = len(block_ids)
-        buffers["block_tables"][:num_seqs, :num_blocks].copy_(padded_rows(block_ids, num_blocks))
-        buffers["query_cache_index"][:num_seqs, :max_query].copy_(padded_rows(self.visible_rows, max_query))
+        # non_blocking: a pageable source is staged at the call, and a blocking copy would wait for the GPU to
+        # drain, so that an overlapped step's layout would wait for the step before it
+        tables = (("block_tables", block_ids, num_blocks), ("query_cache_index", self.visible_rows, max_query))
         if "query_index_in_sequence" in buffers:  # a sliding window counts by index in the sequence
-            buffers["query_index_in_sequence"][:num_seqs, :max_query].copy_(padded_rows(self.index_rows, max_query))
+            tables += (("query_index_in_sequence", self.index_rows, max_query),)
+        for name, rows, width in tables:
+            buffers[name][:num_seqs, :width].copy_(padded_rows(rows, width), non_blocking=True)
         return max_query, num_blocks
