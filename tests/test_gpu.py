@@ -293,6 +293,14 @@ def test_adapters_under_cuda_graphs(adapter_family, dtype):
     assert llm.engine.runner.graphs.replays.get("decode", 0) > 0  # steps without one: the plain graphs
     if dtype == "float32":  # in bf16 another batch shape may part at a near-tie
         assert [o.token_ids for o in base_only] == [o.token_ids for o in outputs[:4]]
+    # Prompt-tuning requests alone: their prompt steps must stay eager (a prompt graph writes no virtual rows).
+    replays = llm.engine.runner.graphs.replays.get("prompt", 0)
+    assert replays > 0  # the base requests' prompt step above replayed one
+    tuned = [r for r in requests if r.get("adapter") == "prompt"]
+    alone = llm.generate(tuned, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert llm.engine.runner.graphs.replays.get("prompt", 0) == replays
+    if dtype == "float32":
+        assert [o.token_ids for o in alone] == [o.token_ids for o in outputs[-len(tuned):]]
     near_ties = 0
     for request, out in zip(requests, outputs):
         model, ids = adapter_family.peers[request.get("adapter")], list(request["prompt_ids"])
