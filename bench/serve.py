@@ -37,9 +37,17 @@ except ImportError:
 SESSION = HTTP.Client(limits=HTTP.Limits(max_connections=256, max_keepalive_connections=256))
 
 
+def json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
 def start_server(args, port):
     cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
-           f"runtime.max_num_seqs={max(args.concurrency)}", *args.server_overrides] + (
+           f"runtime.max_num_seqs={max(args.concurrency)}", *[f"runtime.{kv}" for kv in args.runtime],
+           *args.server_overrides] + (
                [f"model.path={args.model}"] if args.model else [])
     log = open(args.server_log, "w")  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -206,6 +214,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     p.add_argument("--server-overrides", nargs="*", default=[], help="more `python -m zoo.serve` overrides")
+    p.add_argument("--runtime", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="runtime settings for the server and LLM.generate alike (VALUE read as JSON, else text)")
     p.add_argument("--skip-offline", action="store_true", help="measure the server only")
     p.add_argument("--offline-rounds", type=int, default=3,
                    help="LLM.generate runs of the workload; the ratio is to their median (one run of 16k tokens "
@@ -272,7 +282,8 @@ def main() -> int:
         return 0
     from zoo import LLM, SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=max(args.concurrency)) if args.model else LLM(max_num_seqs=max(args.concurrency))
+    runtime = {key: json_or_text(value) for key, value in (kv.split("=", 1) for kv in args.runtime)}
+    llm = LLM(args.model, max_num_seqs=max(args.concurrency), **runtime)
     params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up
     runs = []
