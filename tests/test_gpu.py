@@ -111,30 +111,6 @@ def test_prompt_graphs_left_out_where_a_step_holds_more_prompts_or_a_cached_pref
     assert runs[64] == runs[0]
 
 
-def test_prompt_steps_apart_replay_prompt_graphs_between_decode_graphs(checkpoints):
-    """runtime.prompt_steps_apart: requests arriving while others decode run in prompt steps of their own, each
-    a prompt graph, and the decodes replay their graphs around them. In bf16, the tokens of the usual mixed
-    eager steps but at near-ties."""
-    folder, _ = checkpoints["llama"]
-    prompts = prompt_set(seed=7) * 2
-    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2)
-    runs = {}
-    for apart in (True, False):
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16", prompt_steps_apart=apart, enable_prefix_caching=False)
-        engine, graphs = llm.engine, llm.engine.runner.graphs
-        if not engine.runner.ragged_path:
-            pytest.skip("torch has no varlen flash attention")
-        requests = []
-        for group in (prompts[:2], prompts[2:6], prompts[6:]):
-            requests += [engine.add_request(prompt_token_ids=p, params=params) for p in group]
-            engine.step()
-            engine.step()
-        engine.run_until_done()
-        assert graphs.replays.get("prompt", 0) == (3 if apart else 1)  # the first group: nothing ran yet
-        runs[apart] = [llm.output_of(r) for r in requests]
-    assert tokens_part_only_at_near_ties(runs[True], runs[False]) <= len(prompts) // 2
-
-
 def test_bfloat16_prompt_graphs_part_from_eager_prompts_only_at_near_ties(checkpoints):
     """A prompt graph's matrix products have the bucket's rows, not the step's, so cuBLAS may sum in another
     order: in bf16 the tokens may part where the eager run's top two log-probs were a near-tie."""

@@ -43,15 +43,14 @@ class Driver:
     """The engine's side of the loop: schedule -> compute -> commit -> register / finish."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                 enable_prefix_caching: bool = True, admission_interval: int = 1, prompt_steps=None):
+                 enable_prefix_caching: bool = True, admission_interval: int = 1):
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens,
-                                   admission_interval=admission_interval, prompt_steps=prompt_steps)
+                                   admission_interval=admission_interval)
         self.kv: dict[tuple[int, int], tuple] = {}  # (block, offset) -> what that slot's K/V was computed from
         self.finished: list[Request] = []
         self.steps: list[list[tuple[int, int, int]]] = []  # per step: (request_id, start, num_tokens)
         self.cached_starts = 0  # admissions that skipped tokens thanks to the prefix cache
-        self.apart_steps = 0  # steps of prompts apart (Scheduler.prompt_steps) while others ran
         self.accepted_drafts = 0
 
     def add(self, request_id: int, prompt, max_new_tokens: int, bidirectional_prefix: int = 0,
@@ -497,26 +496,6 @@ def test_waiting_requests_join_a_decoding_batch_every_interval_steps():
         assert request.output_token_ids == alone_output(request.prompt_token_ids, 30)
 
 
-def test_prompts_apart_run_in_a_step_of_their_own_while_the_decodes_sit_it_out():
-    """Scheduler(prompt_steps=(2, 8)): admissions that fit a prompt graph (at most 2 whole prompts, 8 tokens, no
-    cached prefix) run alone; a longer prompt or one with a cached prefix joins the decodes as usual."""
-    driver = Driver(num_blocks=64, block_size=4, prompt_steps=(2, 8))
-    a = driver.add(0, [1, 2, 3, 4], 30)
-    assert entries(driver.step()) == [(0, 0, 4, True)]  # nothing runs: as usual
-    b, c, d = driver.add(1, [5, 6, 7], 30), driver.add(2, [8, 9], 30), driver.add(3, [7, 7, 7], 30)
-    assert entries(driver.step()) == [(1, 0, 3, True), (2, 0, 2, True)]  # two prompts; a sits out
-    assert entries(driver.step()) == [(3, 0, 3, True)]
-    assert [e.request for e in driver.step()] == [a, b, c, d]
-    long = driver.add(4, list(range(10, 20)), 30)  # 10 tokens: more than a prompt step holds
-    assert [e.request for e in driver.step()] == [a, b, c, d, long]
-    cached = driver.add(5, [1, 2, 3, 4, 9], 30)  # a's first block is cached: a chunk, not a prompt
-    step = driver.step()
-    assert [e.request for e in step] == [a, b, c, d, long, cached] and step[-1].start == 4
-    driver.run_until_done()
-    for request in [a, b, c, d, long, cached]:
-        assert request.output_token_ids == alone_output(request.prompt_token_ids, 30)
-
-
 # ---------------------------------------------------------------- random workloads
 
 
@@ -534,8 +513,7 @@ def random_workload(seed: int) -> Driver:
     longest = max(len(prompt) + max_new for _, prompt, max_new in plan)
     driver = Driver(num_blocks=-(-longest // block_size) + rng.randint(0, 4),  # often too few: preemption
                     block_size=block_size, max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=budget,
-                    enable_prefix_caching=rng.random() < 0.8, admission_interval=rng.choice([1, 1, 2, 3]),
-                    prompt_steps=rng.choice([None, None, (1, 12), (3, 24)]))
+                    enable_prefix_caching=rng.random() < 0.8, admission_interval=rng.choice([1, 1, 2, 3]))
     use_drafts = rng.random() < 0.5
     requests = []
     pending = list(plan)
@@ -572,14 +550,7 @@ def random_workload(seed: int) -> Driver:
             assert e.start == 0 or driver.blocks.enable_prefix_caching
             driver.cached_starts += e.start > 0
         preempted = [r for r in running_before if r.status is Status.WAITING]
-        apart = driver.scheduler.prompt_steps
-        if len(continuing) < len(scheduled) and not continuing and running_before and apart:
-            # a step of prompts apart: whole prompts without a cached prefix, within its limits; nothing preempted
-            prompts, tokens = apart
-            assert not preempted and len(scheduled) <= prompts and sum(e.num_tokens for e in scheduled) <= tokens
-            assert all(e.start == 0 and e.samples for e in scheduled)
-            driver.apart_steps += 1
-        elif len(continuing) < len(scheduled):  # admitting: only when every running request got its turn
+        if len(continuing) < len(scheduled):  # admitting: only when every running request got its turn
             assert not preempted and len(continuing) == len(running_before)
         # Chunks are as large as the remaining budget allows: one that stops short of the end used all of it.
         left = budget
@@ -616,7 +587,6 @@ def test_random_workloads_exercise_preemption_prefix_hits_and_drafts():
     assert sum(d.cached_starts for d in drivers) >= 10
     assert sum(d.accepted_drafts for d in drivers) >= 10
     assert sum(r.bidirectional_prefix > 0 for d in drivers for r in d.finished) >= 10
-    assert sum(d.apart_steps for d in drivers) >= 10
     assert sum(len(d.steps) for d in drivers) >= 1000
 
 
@@ -657,7 +627,7 @@ def replayed_workload(seed: int) -> Counter:
     settings = dict(num_blocks=-(-longest // block_size) + rng.randint(0, 4),  # often too few: preemption
                     block_size=block_size, max_num_seqs=rng.randint(1, 5),
                     max_num_batched_tokens=rng.choice([3, 8, 64]), enable_prefix_caching=rng.random() < 0.8,
-                    admission_interval=rng.choice([1, 1, 2, 3]), prompt_steps=rng.choice([None, (2, 8)]))
+                    admission_interval=rng.choice([1, 1, 2, 3]))
     leader, follower = Driver(**settings), Driver(**settings)
     budget = settings["max_num_batched_tokens"]
     kinds = Counter()

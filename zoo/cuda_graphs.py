@@ -177,10 +177,6 @@ class DecodeGraphs:
         variant = next((name for name, when in self.variants.items() if when(scheduled)), None)
         return None if size is None else (family, size) + ((variant,) if variant else ())
 
-    def prompt_capacity(self) -> tuple[int, int] | None:
-        """(prompts, tokens) the largest prompt graph holds, or None without prompt graphs."""
-        return (PROMPT_GRAPH_SEQS, self.prompt_sizes[-1]) if self.prompt_sizes else None
-
     def prompt_key(self, layout, scheduled) -> tuple | None:
         """(PROMPT_FAMILY, bucket) for a step of whole prompts that a prompt graph can replay, else None."""
         buckets = self.prompt_sizes

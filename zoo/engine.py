@@ -102,9 +102,7 @@ class Engine:
                                    # Holding arrivals back pays only where decode steps replay CUDA graphs and
                                    # prompt steps do not; eager, every step costs alike (on CPU it lost 10-20%).
                                    admission_interval=int(runtime["admission_interval"]) if self.uses_cuda_graphs
-                                   else 1,
-                                   prompt_steps=self.runner.graphs.prompt_capacity() if runtime["prompt_steps_apart"]
-                                   and self.uses_cuda_graphs else None)
+                                   else 1)
         self.sampler = Sampler(self.hooks, self, int(runtime["seed"]), self.device, self.description.eos_token_ids)
         self.stats = EngineStats()
         self.intake = RequestIntake(self)

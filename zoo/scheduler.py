@@ -9,9 +9,7 @@ its tokens later, which gives the same output as if it had run alone.
 
 With an admission interval, waiting requests join a batch that is decoding at
 most every few steps (or as soon as that many wait), so that arrivals one by
-one do not make every step a prompt step. With prompt steps apart, admitted
-prompts run in a step of their own while the decodes sit it out, where they
-fit what a prompt CUDA graph holds: two replays instead of one eager pass.
+one do not make every step a prompt step.
 
 Under tensor parallelism rank 0 alone decides: ``schedule`` records each
 decision that changes state (preempt, run, admit, reset) in a log of integers,
@@ -57,14 +55,11 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 step_resource=None, admission_interval: int = 1, prompt_steps: tuple[int, int] | None = None):
+                 step_resource=None, admission_interval: int = 1):
         """``step_resource(request)``: None, or ``(pool, item, capacity)`` when the request needs ``item``
         from a pool a step holds at most ``capacity`` distinct items of (LoRA adapters in device slots);
         a request whose item does not fit waits for a later step. ``admission_interval``: see
-        :meth:`admits_waiting`. ``prompt_steps``: (prompts, tokens): while requests run, a step that admits
-        takes only whole prompts without a cached prefix, at most that many and that many tokens in all
-        (what a prompt graph holds), and the running requests sit it out; where the first waiting request
-        does not fit that, it joins the running ones as usual. None: always as usual."""
+        :meth:`admits_waiting`."""
         self.blocks = block_manager
         self.step_resource = step_resource or (lambda request: None)
         self.max_num_seqs = max_num_seqs
@@ -73,7 +68,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.admission_interval = admission_interval
-        self.prompt_steps = prompt_steps
         self.steps_deferred = 0  # steps since waiting requests were last let in
 
     def add(self, request: Request) -> None:
@@ -110,14 +104,6 @@ class Scheduler:
         return scheduled
 
     def _schedule(self, drafts: dict[int, DraftBlock], record) -> list[ScheduledRequest]:
-        if self.prompt_steps and self.running and self.waiting and self.admits_waiting():
-            max_prompts, max_tokens = self.prompt_steps
-            seats = len(self.running) + sum(r.seats - 1 for r in self.running)
-            scheduled = self._admit_waiting([], min(max_tokens, self.max_num_batched_tokens), seats, {}, record,
-                                            max_prompts=max_prompts)
-            if scheduled:
-                self.steps_deferred = 0
-                return scheduled
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -155,42 +141,32 @@ class Scheduler:
                 i += 1
         # Admitting new work right after a preemption would only preempt again.
         seats = len(self.running) + sum(r.seats - 1 for r in self.running)
-        if not self.waiting or preempted:
+        if not self.waiting:
             return scheduled
         if not self.admits_waiting():
             self.defer_admission()
             return scheduled
         self.steps_deferred = 0
-        return self._admit_waiting(scheduled, budget, seats, held, record)
-
-    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, seats: int, held: dict, record,
-                       max_prompts: int | None = None) -> list[ScheduledRequest]:
-        """Waiting requests joining ``scheduled``, in arrival order, within ``budget`` tokens and the seats.
-        ``max_prompts``: a step of prompts apart (``prompt_steps``): whole prompts only, none with a cached
-        prefix, at most that many."""
-        admitted = 0
-        while self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs:
+        while self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs and not preempted:
             request = self.waiting[0]
-            if max_prompts is not None and (admitted == max_prompts or request.num_tokens > budget):
-                break
             if not self._fits(request, held):
                 break  # in arrival order: it goes first once the step has room for it
             if not request.block_ids:
                 self.blocks.allocate_cached_prefix(request)
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if (request.num_computed_tokens + num_tokens < request.bidirectional_prefix
-                    or (max_prompts is not None and request.num_computed_tokens)
-                    or not self.blocks.ensure_slots(request, request.num_computed_tokens + num_tokens)):
-                # A bidirectional prefix is computed in one step: wait for a step with room for all of it. A step
-                # of prompts apart takes no cached prefix (a chunk would make it eager). Out of blocks: a waiting
-                # request holds none; the ones it matched stay cached for its next try, while running requests
-                # (or the preempted request ahead of it) can use them now.
+            if request.num_computed_tokens + num_tokens < request.bidirectional_prefix:
+                # A bidirectional prefix is computed in one step: wait for a step with room for all of it.
+                self._reset(request)
+                record((RESET, request.request_id, 0, 0, 0))
+                break
+            if not self.blocks.ensure_slots(request, request.num_computed_tokens + num_tokens):
+                # A waiting request holds no blocks: the ones it matched stay cached for its next try,
+                # while running requests (or the preempted request ahead of it) can use them now.
                 self._reset(request)
                 record((RESET, request.request_id, 0, 0, 0))
                 break
             record((ADMIT, request.request_id, request.num_computed_tokens, num_tokens, 0))
             self._admit(request)
-            admitted += 1
             seats += request.seats
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens

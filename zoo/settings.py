@@ -76,7 +76,6 @@ RUNTIME = {
     "attention_backend": Setting(str, choices=("auto", "sdpa", "triton")),
     "cuda_graphs": Setting(bool),
     "prompt_graph_tokens": Setting(int, 0),
-    "prompt_steps_apart": Setting(bool),
     "fused_ops": Setting(bool),
     "enforce_eager": Setting(bool),
     "overlap_steps": Setting(bool),
