@@ -34,12 +34,10 @@ from gpu import write_checkpoint  # noqa: E402
 # program per possible split (lanes); the LM head's weight-streaming kernel (gemv_rows); whole prompts without
 # the mask (fresh); the graph's argmax as two Triton launches instead of torch's (argmax); programmatic dependent
 # launch of the Triton kernels (pdl); the layers' projections through the weight-streaming kernel up to
-# proj_rows rows; SiLU-and-mul folded into the down projection's kernel at those rows (silu_down); narrower
-# tiles for q/k/v (narrow). (Round 6
+# proj_rows rows; SiLU-and-mul folded into the down projection's kernel at those rows (silu_down). (Round 6
 # also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
-BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, silu_down=False,
-            narrow=False)
+BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, silu_down=False)
 VARIANTS = {
     "main": dict(BASE, lanes=False, gemv_rows=0, fresh=False),
     "round5": BASE,
@@ -50,9 +48,7 @@ VARIANTS = {
     "new": dict(BASE, argmax=True, pdl=True, proj_rows=1),
     "round6": dict(BASE, argmax=True, pdl=True, proj_rows=4),
     "silu_down": dict(BASE, argmax=True, pdl=True, proj_rows=4, silu_down=True),
-    "narrow": dict(BASE, argmax=True, pdl=True, proj_rows=4, silu_down=True, narrow=True),
 }
-TRITON_GEMV_CONFIGS = None
 TRITON_ARGMAX = None
 
 
@@ -67,11 +63,6 @@ def apply(variant: dict) -> None:
     triton_attention.PDL = variant["pdl"]
     fused_ops.PROJECTION_GEMV_MAX_ROWS = variant["proj_rows"]
     fused_ops.SILU_INTO_DOWN = variant["silu_down"]
-    global TRITON_GEMV_CONFIGS
-    TRITON_GEMV_CONFIGS = TRITON_GEMV_CONFIGS or dict(fused_ops.GEMV_CONFIGS)
-    # narrow: 16-column tiles up to 4096 outputs, so that q/k/v (3072) spreads over 192 programs instead of 96
-    fused_ops.GEMV_CONFIGS = ({**TRITON_GEMV_CONFIGS, 4096: TRITON_GEMV_CONFIGS[2048]} if variant["narrow"]
-                              else TRITON_GEMV_CONFIGS)
 
 
 def main() -> int:
