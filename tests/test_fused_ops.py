@@ -132,23 +132,6 @@ def test_projection_takes_the_kernel_up_to_its_row_limit(dtype, monkeypatch):
             torch.testing.assert_close(out, F.linear(x, weight, bias), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_projection_activates_inside_the_kernel_as_the_two_launches_do(dtype, monkeypatch):
-    """The down projection with SiLU-and-mul folded in: the same bits as silu_and_mul then the kernel (the input
-    rounds at the same points), close to eager PyTorch; past the row limit, the two launches."""
-    monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", 4)
-    g = torch.Generator().manual_seed(5)
-    weight = torch.randn(70, 300, generator=g).to(DEVICE, dtype) / 10  # K = 300: a masked last tile
-    bias = torch.randn(70, generator=g).to(DEVICE, dtype)
-    for rows in (1, 4, 5):
-        gate_up = torch.randn(rows, 600, generator=g).to(DEVICE, dtype) * 4
-        out = fused_ops.silu_mul_projection(gate_up, weight, bias)
-        two_launches = fused_ops.projection(fused_ops.silu_and_mul(gate_up), weight, bias)
-        torch.testing.assert_close(out, two_launches, atol=0, rtol=0)
-        gate, up = gate_up.chunk(2, dim=-1)
-        torch.testing.assert_close(out, F.linear(F.silu(gate) * up, weight, bias), **tolerance(dtype))
-
-
 def test_no_programmatic_dependent_launch_off_hopper():
     # The kernels' PDL switch is a compile-time constant: off the GPU (the interpreter) it is off, and the launch
     # option is not passed at all.

@@ -45,9 +45,6 @@ GEMV_MAX_ROWS = 32
 # do not. Decode graph replays on the H200 against cuBLAS's, both under PDL: 1.058x faster at 1 row, 1.041x at 2,
 # 1.008x at 4, 0.988x at 8 (bench/results/gpu/round6/profile_pdl_rows.txt).
 PROJECTION_GEMV_MAX_ROWS = 4
-# SiLU-and-mul folded into the down projection's kernel at those row counts (``silu_mul_projection``): one launch
-# per layer fewer.
-SILU_INTO_DOWN = True
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -143,11 +140,9 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
-                     HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
-        # GATED: X is [gate | up] (2k wide) and the input is silu(gate) * up, rounded as _silu_mul_kernel does;
-        # every program recomputes it from L2, cheap beside its share of the weights.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
@@ -161,13 +156,7 @@ if triton is not None:
             ks = start + offs_k
             k_ok = ks < k
             w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x_at = X + offs_m[:, None] * stride_x + ks[None, :]
-            x = tl.load(x_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if GATED:
-                gate = x.to(tl.float32)
-                up = tl.load(x_at + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                activated = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
-                x = (activated * up).to(x.dtype)
+            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:  # float32 models: no TF32 rounding of the operands
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
@@ -227,7 +216,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype, gated: bool = False) -> torch.Tensor:
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tensor:
     rows = x.shape[0]
     n, k = weight.shape
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
@@ -235,7 +224,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype, gated: bool = 
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
-        IEEE=weight.dtype == torch.float32, GATED=gated,
+        IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         num_stages=stages, num_warps=warps, **pdl_options(x.device))
     return out
@@ -283,15 +272,6 @@ def projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS):
         return _gemv(x, weight, bias, x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
-
-
-def silu_mul_projection(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear(silu(gate) * up, weight, bias)`` for ``gate_up = [gate | up]``: up to
-    ``PROJECTION_GEMV_MAX_ROWS`` rows (and with ``SILU_INTO_DOWN``) one weight-streaming launch that activates its
-    input tile by tile, else ``silu_and_mul`` and then ``projection``."""
-    if SILU_INTO_DOWN and gemv_fits(gate_up, weight, PROJECTION_GEMV_MAX_ROWS):
-        return _gemv(gate_up, weight, bias, gate_up.dtype, gated=True)
-    return projection(silu_and_mul(gate_up), weight, bias)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

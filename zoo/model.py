@@ -468,10 +468,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is not None:
             if self.fused and self.act is F.silu:
-                gate_up = self.gate_up_proj.concatenated(x)
-                if type(self.down_proj) is nn.Linear:
-                    return fused_ops.silu_mul_projection(gate_up, self.down_proj.weight, self.down_proj.bias)
-                return self.down_proj(fused_ops.silu_and_mul(gate_up))
+                return project(self.down_proj, fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x)), True)
             gate, up = self.gate_up_proj(x)
             return self.down_proj(self.act(gate) * up)
         if self.gate_proj is not None:
