@@ -18,7 +18,7 @@ graphs otherwise.
 Steps of whole prompts replay graphs too (``runtime.prompt_graph_tokens``),
 one per token bucket: an eager pass launches some 270 kernels for a 1B
 model, and on the H200 the host took longer to launch them than the GPU to
-run them (a 2,047-token prompt: 8 ms of kernels, 10-17 ms of host). The
+run them (a 2,040-token prompt: 8 ms of kernels, 10 ms of launching). The
 step's rows are padded to the bucket with a dummy prompt writing to the
 scratch block, and up to PROMPT_GRAPH_SEQS prompts go through one varlen
 flash call whose sequence boundaries are a buffer the step writes. Steps a

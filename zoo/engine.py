@@ -23,10 +23,10 @@ from zoo.model_runner import ModelRunner, RunnerLimits
 from zoo.plugins import architecture_owners, load_plugins, select_plugins
 from zoo.request import Request
 from zoo.sampler import Sampler
-from zoo.step_inputs import int64_tensor
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest, Scheduler
 from zoo.settings import check_settings
+from zoo.step_inputs import int64_tensor
 from zoo.stats import EngineStats, summary
 from zoo.step import StepBatch, StepResults
 
