@@ -26,9 +26,9 @@ from zoo.sampler import Sampler
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest, Scheduler
 from zoo.settings import check_settings
-from zoo.step_inputs import int64_tensor
 from zoo.stats import EngineStats, summary
 from zoo.step import StepBatch, StepResults
+from zoo.step_inputs import int64_tensor
 
 
 def check_model_option(model, architecture: str, plugin_manager) -> None:
