@@ -16,6 +16,7 @@ from zoo.cuda_graphs import PROMPT_FAMILY, PROMPT_GRAPH_SEQS
 def llm():
     llm = LLM()
     llm.engine.runner.graphs.prompt_sizes = [16, 32, 64]  # as if captured
+    llm.engine.runner.fresh_causal_path = True  # as on CUDA
     return llm
 
 
@@ -52,7 +53,8 @@ def test_a_step_that_fills_its_bucket_exactly_has_an_empty_padding_sequence(llm)
 
 
 @pytest.mark.parametrize("case", ["nine prompts", "past the largest bucket", "a plugin keeps it eager",
-                                  "a variant holds", "decodes beside a prompt", "a cached prefix"])
+                                  "a variant holds", "decodes beside a prompt", "a cached prefix",
+                                  "the whole-prompt path is off"])
 def test_other_steps_run_eagerly(llm, case):
     graphs = llm.engine.runner.graphs
     prompts = prompts_of(3, 4)
@@ -62,6 +64,8 @@ def test_other_steps_run_eagerly(llm, case):
         prompts = prompts_of(65)
     elif case == "a plugin keeps it eager":
         graphs.eager_when.append(lambda scheduled: len(scheduled) == 2)
+    elif case == "the whole-prompt path is off":
+        llm.engine.runner.fresh_causal_path = False
     elif case == "a variant holds":
         graphs.variants["some_adapter"] = lambda scheduled: True
     elif case in ("decodes beside a prompt", "a cached prefix"):

@@ -180,7 +180,8 @@ class DecodeGraphs:
     def prompt_key(self, layout, scheduled) -> tuple | None:
         """(PROMPT_FAMILY, bucket) for a step of whole prompts that a prompt graph can replay, else None."""
         buckets = self.prompt_sizes
-        if (not buckets or layout.decode_rows or layout.chunk_spans or not layout.splittable
+        # (the whole-prompt path switched off, as bench/gpu.py does to time the masked path, leaves them eager)
+        if (not buckets or not self.runner.fresh_causal_path or layout.decode_rows or layout.chunk_spans or not layout.splittable
                 or not layout.fresh_causal or len(layout.prompt_spans) > PROMPT_GRAPH_SEQS
                 or len(layout.logits_indices) > PROMPT_GRAPH_SEQS
                 or any(when(scheduled) for when in itertools.chain(self.variants.values(), self.eager_when))):
