@@ -132,7 +132,9 @@ def zoo_engine_start(engine: "Engine", setup: "EngineSetup") -> None:
     ``setup.add_kv_layers(modules)`` (attention modules of a draft model get
     cache layers from the same block pool: the same block tables and slots as
     the model's own layers), ``setup.capture_layers(indices)`` (step results
-    carry these decoder layers' outputs). Returns nothing.
+    carry these decoder layers' outputs), ``setup.run_eagerly_when(when)``
+    (steps for which ``when(scheduled)`` holds never replay a CUDA graph: for
+    work in the model that reads the step's requests). Returns nothing.
     """
 
 
