@@ -94,7 +94,7 @@ def test_no_buckets_without_the_varlen_call():
     llm = LLM(prompt_graph_tokens=2048)
     if llm.engine.device.type == "cuda":
         pytest.skip("a CPU engine's case")
-    assert llm.engine.runner.graphs.prompt_buckets() == []
+    assert llm.engine.runner.graphs.prompt_buckets(2048) == []
     assert not llm.engine.uses_cuda_graphs
 
 
@@ -102,11 +102,8 @@ def test_buckets_follow_the_setting_and_the_token_budget(llm, monkeypatch):
     graphs = llm.engine.runner.graphs
     monkeypatch.setattr(llm.engine.runner, "ragged_path", True)
     monkeypatch.setattr(llm.engine.runner, "fresh_causal_path", True)
-    graphs.prompt_tokens = 2048
     budget = llm.engine.runner.limits.max_num_tokens
     expected = sorted({n for n in (16, 32, 64, 128, 256) if n < budget} | set(range(512, budget, 256)) | {budget})
-    assert graphs.prompt_buckets() == [n for n in expected if n <= min(2048, budget)]
-    graphs.prompt_tokens = 100
-    assert graphs.prompt_buckets() == [16, 32, 64, 100]
-    graphs.prompt_tokens = 0
-    assert graphs.prompt_buckets() == []
+    assert graphs.prompt_buckets(2048) == [n for n in expected if n <= min(2048, budget)]
+    assert graphs.prompt_buckets(100) == [16, 32, 64, 100]
+    assert graphs.prompt_buckets(0) == []

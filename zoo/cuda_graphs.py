@@ -67,7 +67,6 @@ class DecodeGraphs:
         self.variants: dict[str, Callable] = {}  # name -> predicate on a step's scheduled requests
         self.eager_when: list[Callable] = []  # predicates on a step's scheduled requests: no graph for it
         self.prompt_sizes: list[int] = []  # the prompt buckets captured
-        self.prompt_tokens = 0  # the largest prompt bucket (runtime.prompt_graph_tokens); 0: prompts run eagerly
         # a prompt graph's sequence boundaries (int32, as flash's varlen call takes them): its prompts', then the
         # padding's, then empty sequences up to PROMPT_GRAPH_SEQS + 1
         self.prompt_bounds = torch.zeros(PROMPT_GRAPH_SEQS + 2, dtype=torch.int32, device=runner.device)
@@ -93,23 +92,24 @@ class DecodeGraphs:
         sizes = [n for n in (1, 2, 4, 8) if n < limit] + list(range(16, limit, 16)) + [limit]
         return sorted(set(n for n in sizes if n >= 1))
 
-    def prompt_buckets(self) -> list[int]:
-        """Token counts prompt graphs are captured for: powers of two up to 256, then every 256 (a step pads to
-        the next one, so at most a quarter of the work is padding past 256 tokens)."""
+    def prompt_buckets(self, prompt_tokens: int) -> list[int]:
+        """Token counts prompt graphs are captured for, up to ``prompt_tokens`` (runtime.prompt_graph_tokens; 0:
+        none): powers of two up to 256, then every 256 (a step pads to the next one, so at most a quarter of the
+        work is padding past 256 tokens)."""
         runner = self.runner
-        limit = min(self.prompt_tokens, runner.limits.max_num_tokens)
+        limit = min(prompt_tokens, runner.limits.max_num_tokens)
         if (limit < 1 or not (runner.ragged_path and runner.fresh_causal_path)
                 or runner.description.sliding_window):
             return []
         sizes = [n for n in (16, 32, 64, 128, 256) if n < limit] + list(range(512, limit, 256)) + [limit]
         return sorted(set(sizes))
 
-    def capture(self) -> None:
-        """Every family, largest first, sharing one memory pool; prompt graphs first (their activations are
-        the largest, and later captures reuse the pool's free memory)."""
+    def capture(self, prompt_tokens: int = 0) -> None:
+        """Every family, largest first, sharing one memory pool; prompt graphs (up to ``prompt_tokens``) first:
+        their activations are the largest, and later captures reuse the pool's free memory."""
         runner = self.runner
         self._pool, self._stream = None, torch.cuda.Stream(runner.device)
-        self.prompt_sizes = self.prompt_buckets()
+        self.prompt_sizes = self.prompt_buckets(prompt_tokens)
         for tokens in reversed(self.prompt_sizes):
             self.pad_prompts(None, tokens)
             ragged = RaggedCausal(rows=None, key_slots=runner.buffers["slot_mapping"][:tokens],
@@ -180,9 +180,11 @@ class DecodeGraphs:
     def prompt_key(self, layout, scheduled) -> tuple | None:
         """(PROMPT_FAMILY, bucket) for a step of whole prompts that a prompt graph can replay, else None."""
         buckets = self.prompt_sizes
-        # (the whole-prompt path switched off, as bench/gpu.py does to time the masked path, leaves them eager)
-        if (not buckets or not self.runner.fresh_causal_path or layout.decode_rows or layout.chunk_spans or not layout.splittable
-                or not layout.fresh_causal or len(layout.prompt_spans) > PROMPT_GRAPH_SEQS
+        # fresh_causal: every entry a prompt from its start, without drafts or a bidirectional prefix (so no chunks
+        # and a splittable step); decode_rows: a one-token prompt is laid out as a decode. The whole-prompt path
+        # switched off (bench/gpu.py times the masked path so) leaves them eager too.
+        if (not buckets or not self.runner.fresh_causal_path or not layout.fresh_causal or layout.decode_rows
+                or len(layout.prompt_spans) > PROMPT_GRAPH_SEQS
                 or len(layout.logits_indices) > PROMPT_GRAPH_SEQS
                 or any(when(scheduled) for when in itertools.chain(self.variants.values(), self.eager_when))):
             return None
@@ -193,12 +195,9 @@ class DecodeGraphs:
     def pad_prompts(self, layout, tokens: int) -> None:
         """A prompt step's rows past its own, up to ``tokens``, become a dummy prompt writing to the scratch
         block; its sequence boundaries go to ``prompt_bounds``. ``layout`` None: all ``tokens`` rows (capture)."""
-        runner = self.runner
-        buf, real = runner.buffers, 0 if layout is None else len(layout.input_ids)
+        buf, real = self.runner.buffers, 0 if layout is None else len(layout.input_ids)
         if real < tokens:
-            buf["input_ids"][real:tokens] = 0
-            buf["positions"][:, real:tokens] = 0
-            buf["slot_mapping"][real:tokens] = runner.kv.scratch_block * runner.block_size
+            self._dummy_tokens(slice(real, tokens))
         logits = 0 if layout is None else len(layout.logits_indices)
         buf["logits_indices"][logits:PROMPT_GRAPH_SEQS] = 0
         ends = [] if layout is None else list(itertools.accumulate(n for _, n in layout.prompt_spans))
@@ -212,6 +211,13 @@ class DecodeGraphs:
         self.replays[name] = self.replays.get(name, 0) + 1
         return outputs
 
+    def _dummy_tokens(self, rows: slice) -> None:
+        """Token rows that write to the scratch block: token 0 at position 0."""
+        runner, buf = self.runner, self.runner.buffers
+        buf["input_ids"][rows] = 0
+        buf["positions"][:, rows] = 0
+        buf["slot_mapping"][rows] = runner.kv.scratch_block * runner.block_size
+
     def pad_rows(self, real: int, size: int, stride: int = 1) -> None:
         """Sequences ``real..size-1`` become harmless dummies: tokens writing to the scratch block."""
         if real == size:
@@ -219,9 +225,7 @@ class DecodeGraphs:
         runner = self.runner
         buf, scratch = runner.buffers, runner.kv.scratch_block
         rows, seqs = slice(real * stride, size * stride), slice(real, size)
-        buf["input_ids"][rows] = 0
-        buf["positions"][:, rows] = 0
-        buf["slot_mapping"][rows] = scratch * runner.block_size
+        self._dummy_tokens(rows)
         buf["token_seq"][rows] = torch.arange(real, size, device=runner.device).repeat_interleave(stride)
         buf["token_query_index"][rows] = torch.arange(stride, device=runner.device).repeat(size - real)
         buf["token_cache_index"][rows] = 0
