@@ -24,6 +24,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
+# What a fold into a projection's epilogue may differ by from the separate kernels: nothing on the GPU, where each
+# column sums over K in the same order; the interpreter's float32 dot sums in an order that follows the tile.
+FOLD_TOLERANCE = dict(atol=0, rtol=0) if DEVICE == "cuda" else dict(atol=1e-4, rtol=1e-4)
+
+
 def tolerance(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
 
@@ -96,6 +101,49 @@ def test_linear_kernel_matches_f_linear(dtype, rows, bias):
     torch.testing.assert_close(wide, F.linear(x, weight, b).float(), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_silu_is_the_product_then_silu_and_mul(dtype, rows, bias):
+    g = torch.Generator().manual_seed(10 + rows)
+    half = 1100  # not a multiple of the column tile: the last program's columns are masked
+    x = torch.randn(rows, 96, generator=g).to(DEVICE, dtype)
+    weight = torch.randn(2 * half, 96, generator=g).to(DEVICE, dtype) / 4
+    b = torch.randn(2 * half, generator=g).to(DEVICE, dtype) if bias else None
+    expected = fused_ops.silu_and_mul(fused_ops.projection(x, weight, b))
+    torch.testing.assert_close(fused_ops.gate_up_silu(x, weight, b), expected, **FOLD_TOLERANCE)
+    gate, up = F.linear(x, weight, b).chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.gate_up_silu(x, weight, b), F.silu(gate) * up, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: a head's half spans several programs
+@pytest.mark.parametrize("rotary,bias", [(True, False), (True, True), (False, False)])
+def test_qkv_rope_and_cache_write_is_the_product_then_the_rope_kernel(dtype, head_dim, rotary, bias):
+    g = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, tokens, bs, hidden = 6, 2, 3, 4, 80
+    desc = ModelDescription("x", 50, heads * head_dim, 1, heads, kv_heads, 64, rope_theta=1000.0)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    weight = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g).to(DEVICE, dtype) / 4
+    b = torch.randn(weight.shape[0], generator=g).to(DEVICE, dtype) if bias else None
+    positions = torch.tensor([[3, 17, 40]], device=DEVICE)
+    slots = torch.tensor([5, 13, 30], device=DEVICE)
+    cache = torch.randn(2, 8, bs, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    expected_cache = cache.clone()
+    tables = Rotary(desc).to(DEVICE).prepare(positions, dtype)
+    cos, sin = (tables[0][:, 0], tables[1][:, 0]) if rotary else (None, None)
+    q, k, v = fused_ops.projection(x, weight, b).split([heads * head_dim, kv_heads * head_dim,
+                                                        kv_heads * head_dim], dim=-1)
+    expected_q = fused_ops.rope_and_write_cache(q.reshape(tokens, heads, head_dim),
+                                                k.reshape(tokens, kv_heads, head_dim),
+                                                v.reshape(tokens, kv_heads, head_dim), cos, sin,
+                                                expected_cache[0], expected_cache[1], slots)
+    out = fused_ops.qkv_rope_and_write_cache(x, weight, b, cos, sin, cache[0], cache[1], slots, heads, kv_heads)
+    assert out.shape == (tokens, heads, head_dim)
+    torch.testing.assert_close(out, expected_q, **FOLD_TOLERANCE)
+    torch.testing.assert_close(cache, expected_cache, **FOLD_TOLERANCE)
+
+
 def test_linear_past_the_row_limit_is_f_linear():
     x, weight = torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8)
     assert not fused_ops.gemv_fits(x, weight)
@@ -138,11 +186,18 @@ def test_no_programmatic_dependent_launch_off_hopper():
     assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
-@pytest.mark.parametrize("name,projection_rows", [("llama", 0), ("qwen2", 0), ("llama", 64)])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, monkeypatch):
+@pytest.mark.parametrize("name,projection_rows,fold", [("llama", 0, True), ("qwen2", 0, True), ("llama", 64, False),
+                                                       ("llama", 64, True), ("qwen2", 64, True)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, monkeypatch):
     """Whole forward passes (prefill in chunks, then decode) with every fused kernel on; with projection_rows, the
-    layers' projections of steps up to that many tokens run the weight-streaming kernel too."""
+    layers' projections of steps up to that many tokens run the weight-streaming kernel too, and with fold,
+    rotary with the cache write and SiLU-and-mul run in those products' epilogues."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
+    monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
+    folded = []
+    for name_ in ("qkv_rope_and_write_cache", "gate_up_silu"):
+        kernel = getattr(fused_ops, name_)
+        monkeypatch.setattr(fused_ops, name_, lambda *a, _k=kernel, _n=name_, **kw: folded.append(_n) or _k(*a, **kw))
     folder, model = checkpoints[name]
     llm = LLM(str(folder), max_num_batched_tokens=16)
     llm.engine.model.use_fused_ops(True)
@@ -150,3 +205,5 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, prompt, 6)[0]
+    folds_ran = fold and projection_rows > 0
+    assert ("qkv_rope_and_write_cache" in folded) is folds_ran and ("gate_up_silu" in folded) is folds_ran

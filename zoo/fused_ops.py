@@ -45,6 +45,10 @@ GEMV_MAX_ROWS = 32
 # do not. Decode graph replays on the H200 against cuBLAS's, both under PDL: 1.058x faster at 1 row, 1.041x at 2,
 # 1.008x at 4, 0.988x at 8 (bench/results/gpu/round6/profile_pdl_rows.txt).
 PROJECTION_GEMV_MAX_ROWS = 4
+# Whether rotary with the cache write, and SiLU-and-mul, run in the epilogue of the product before them
+# (``qkv_rope_and_write_cache``, ``gate_up_silu``) wherever ``projection`` would stream that product's weights:
+# 32 launches fewer per decode step of a 16-layer model, with the same bits as the separate kernels.
+FOLD_INTO_PROJECTIONS = True
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -139,18 +143,10 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
-                     HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
+    def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32.
         offs_k = tl.arange(0, BLOCK_K)
-        row_ok = offs_m < rows
-        col_ok = cols < n
-        # Prefetching this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the first
-        # 512 columns, 19% slower for all of them (profile_pdl_ab.txt), so the wait comes first.
-        wait_for_previous_kernel(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start in range(0, k, BLOCK_K):
             ks = start + offs_k
@@ -161,10 +157,100 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
+        return acc
+
+    @triton.jit
+    def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
+                     HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        row_ok = offs_m < rows
+        col_ok = cols < n
+        # Prefetching this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the first
+        # 512 columns, 19% slower for all of them (profile_pdl_ab.txt), so the wait comes first.
+        wait_for_previous_kernel(PDL)
+        acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
+                              IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
         tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
+        holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
+        i = tl.arange(0, 2 * PAIR)
+        cols = tl.where(i < PAIR, first + i, second + i - PAIR)
+        col_ok = first + i % PAIR < n
+        offs_m = tl.arange(0, BLOCK_M)
+        acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
+                              IEEE, BLOCK_M, 2 * PAIR, BLOCK_K)
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc.to(W.dtype.element_ty)
+        return tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, PAIR]), [0, 2, 1]))
+
+    @triton.jit
+    def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
+                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
+        first = tl.program_id(0) * PAIR
+        wait_for_previous_kernel(PDL)
+        gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
+                                   HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
+        dtype = Out.dtype.element_ty
+        gate = gate.to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
+        offs_m = tl.arange(0, BLOCK_M)
+        cols = first + tl.arange(0, PAIR)
+        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], (activated * up.to(tl.float32)).to(dtype),
+                 mask=(offs_m < rows)[:, None] & (cols < half)[None, :])
+
+    @triton.jit
+    def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
+                               stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
+                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                               HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                               BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
+        # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
+        head = tl.program_id(0) // (HALF // PAIR)
+        offs_d = (tl.program_id(0) % (HALF // PAIR)) * PAIR + tl.arange(0, PAIR)
+        first = head * 2 * HALF + (tl.program_id(0) % (HALF // PAIR)) * PAIR
+        wait_for_previous_kernel(PDL)
+        x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
+                                 rows, k, stride_x, stride_w, HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
+        offs_m = tl.arange(0, BLOCK_M)
+        row_ok = (offs_m < rows)[:, None]
+        dtype = Q.dtype.element_ty
+        if HAS_ROPE:
+            if head < NUM_HEADS + NUM_KV_HEADS:  # queries and keys rotate; values do not
+                table = offs_m[:, None] * stride_ct + offs_d[None, :]
+                c1 = tl.load(Cos + table, mask=row_ok, other=0.0).to(tl.float32)
+                c2 = tl.load(Cos + table + HALF, mask=row_ok, other=0.0).to(tl.float32)
+                s1 = tl.load(Sin + table, mask=row_ok, other=0.0).to(tl.float32)
+                s2 = tl.load(Sin + table + HALF, mask=row_ok, other=0.0).to(tl.float32)
+                x1, x2 = _rotate_half(x1.to(tl.float32), x2.to(tl.float32), c1, c2, s1, s2, dtype)
+        if head < NUM_HEADS:
+            q_ptr = Q + offs_m[:, None] * stride_q + head * 2 * HALF + offs_d[None, :]
+            tl.store(q_ptr, x1, mask=row_ok)
+            tl.store(q_ptr + HALF, x2, mask=row_ok)
+        else:
+            slot = tl.load(SlotMapping + offs_m, mask=offs_m < rows, other=0)
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                cache_ptr = KCache + slot[:, None] * stride_cs + (head - NUM_HEADS) * stride_ch + offs_d[None, :]
+                tl.store(cache_ptr, x1.to(KCache.dtype.element_ty), mask=row_ok)
+                tl.store(cache_ptr + HALF, x2.to(KCache.dtype.element_ty), mask=row_ok)
+            else:
+                kv_head = head - NUM_HEADS - NUM_KV_HEADS
+                cache_ptr = VCache + slot[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
+                tl.store(cache_ptr, x1.to(VCache.dtype.element_ty), mask=row_ok)
+                tl.store(cache_ptr + HALF, x2.to(VCache.dtype.element_ty), mask=row_ok)
 
 
     @triton.jit
@@ -272,6 +358,53 @@ def projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS):
         return _gemv(x, weight, bias, x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def folds_into_projection(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``qkv_rope_and_write_cache`` and ``gate_up_silu`` take this input (``FOLD_INTO_PROJECTIONS`` on and
+    ``projection`` streaming the weights at this row count)."""
+    return FOLD_INTO_PROJECTIONS and gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS)
+
+
+def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int) -> dict:
+    # The tile of the plain kernel for this weight, cut into two runs of PAIR rows.
+    block_n, block_k, stages, warps = gemv_config(weight.shape[0])
+    return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
+                BLOCK_M=max(16, triton.next_power_of_2(x.shape[0])), PAIR=min(block_n // 2, pair_limit),
+                BLOCK_K=block_k, num_stages=stages, num_warps=warps, **pdl_options(x.device))
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, weight, bias))`` for ``weight = [gate; up]``, as one launch: each program
+    streams matching gate and up rows and stores only the activated product."""
+    half = weight.shape[0] // 2
+    out = torch.empty(x.shape[0], half, dtype=x.dtype, device=x.device)
+    options = _paired_launch(x, weight, bias, 1 << 30)
+    _gate_up_silu_kernel[(triton.cdiv(half, options["PAIR"]),)](
+        x, weight, bias if bias is not None else weight, out, x.shape[0], half, weight.shape[1],
+        x.stride(0), weight.stride(0), out.stride(0), **options)
+    return out
+
+
+def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
+                             num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch;
+    returns q ``[T, heads, head_dim]``. ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two
+    half; cos, sin: ``[T, head_dim]`` or None (no rotary)."""
+    tokens = x.shape[0]
+    head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
+    half = head_dim // 2
+    q = torch.empty(tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    has_rope = cos is not None
+    options = _paired_launch(x, weight, bias, half)
+    _qkv_rope_cache_kernel[((num_heads + 2 * num_kv_heads) * half // options["PAIR"],)](
+        x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
+        flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
+        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options)
+    return q
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

@@ -425,27 +425,35 @@ class Attention(nn.Module):
         """``rope``: (rotary module, its tables for this step), or None without rotary positions."""
         meta = get_forward_context().attention
         tokens = hidden.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(hidden)
-        else:
-            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         rotary, tables = rope if rope is not None else (None, None)
-        if isinstance(meta, DenseCausal):
-            if rotary is not None:
-                q, k = rotary(q, k, tables)
-            attended = meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
-            return project(self.o_proj, attended, self.fused_projections)
-        if self.fused and (rotary is None or rotary.rotate_half_tables):
-            cos, sin = (tables[0][:, 0], tables[1][:, 0]) if rotary is not None else (None, None)
-            q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
-                                               meta.slot_mapping)
+        fused_rope = self.fused and (rotary is None or rotary.rotate_half_tables)
+        cos, sin = (tables[0][:, 0], tables[1][:, 0]) if fused_rope and rotary is not None else (None, None)
+        joint = self.qkv_proj.joint if self.qkv_proj is not None and not self.qkv_proj.wrapped else None
+        if (fused_rope and joint is not None and not isinstance(meta, DenseCausal)
+                and fused_ops.folds_into_projection(hidden, joint.weight)):
+            q = fused_ops.qkv_rope_and_write_cache(hidden, joint.weight, joint.bias, cos, sin, self.kv_cache[0],
+                                                   self.kv_cache[1], meta.slot_mapping, self.num_heads,
+                                                   self.num_kv_heads)
         else:
-            if rotary is not None:
-                q, k = rotary(q, k, tables)
-            write_cache(k, v, self.kv_cache, meta.slot_mapping)
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(hidden)
+            else:
+                q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+            q = q.reshape(tokens, self.num_heads, self.head_dim)
+            k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+            v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+            if isinstance(meta, DenseCausal):
+                if rotary is not None:
+                    q, k = rotary(q, k, tables)
+                attended = meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
+                return project(self.o_proj, attended, self.fused_projections)
+            if fused_rope:
+                q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
+                                                   meta.slot_mapping)
+            else:
+                if rotary is not None:
+                    q, k = rotary(q, k, tables)
+                write_cache(k, v, self.kv_cache, meta.slot_mapping)
         out = paged_attention(q, self.kv_cache, meta, self.scale)
         return project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
 
@@ -468,7 +476,12 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is not None:
             if self.fused and self.act is F.silu:
-                return project(self.down_proj, fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x)), True)
+                joint = self.gate_up_proj.joint
+                if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight):
+                    activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
+                else:
+                    activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
+                return project(self.down_proj, activated, True)
             gate, up = self.gate_up_proj(x)
             return self.down_proj(self.act(gate) * up)
         if self.gate_proj is not None:
