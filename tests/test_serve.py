@@ -509,9 +509,11 @@ def test_tensor_parallel_serving_gives_one_process_tokens_and_a_dead_rank_is_503
         server.stop()
 
 
-def test_the_engine_loop_sends_text_deltas_only_for_streams(local):
-    """A non-streamed request's handler reads only its output: the engine loop decodes no text for it along the
-    way and sends no delta events, while a streamed one beside it gets deltas that concatenate to its text."""
+def test_the_engine_loop_sends_tokens_only_for_streams(local):
+    """A non-streamed request's handler reads only its output: the engine loop sends no delta events for it, while
+    a streamed one beside it gets each step's tokens (text only in the last, once final: the HTTP process decodes
+    the rest), which add up to its output's tokens and, through the HTTP process's TextDeltas, to its text."""
+    from zoo.llm import TextDeltas
     from zoo.serve import EngineLoop
 
     loop = EngineLoop(local, conn=object())  # a connection is only sent to in run(), which this test does not call
@@ -523,11 +525,17 @@ def test_the_engine_loop_sends_text_deltas_only_for_streams(local):
         loop._step()
         events += loop.outbox
         loop.outbox = []
-    deltas = {ident: "".join(e[4] for i, e in events if i == ident and e[0] == "delta") for ident in (1, 2)}
     outputs = {ident: e[2] for ident, e in events if e[0] == "finished"}
     assert outputs[1].text == outputs[2].text == local.generate(["def main():"], SamplingParams(**values))[0].text
-    assert outputs[1].text and deltas[1] == outputs[1].text and deltas[2] == ""
-    assert not loop.streamed and not loop.deltas.state and not loop.requests_of
+    streamed = [e for i, e in events if i == 1 and e[0] == "delta"]
+    assert not [e for i, e in events if i == 2 and e[0] == "delta"]
+    assert [e[4] for e in streamed] == [None] * (len(streamed) - 1) + [outputs[1].text]
+    ids, deltas, text = [], TextDeltas(local.tokenizer), ""
+    for _, _, _, tokens, final in streamed:
+        ids += tokens
+        text += deltas.delta_of(0, ids, [], final)
+    assert ids == outputs[1].token_ids and outputs[1].text and text == outputs[1].text
+    assert not loop.streamed and not loop.requests_of and not deltas.state
 
 
 def test_a_stream_never_shows_text_a_stop_string_cuts(served, local):

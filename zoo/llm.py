@@ -113,18 +113,22 @@ class TextDeltas:
 
     def delta(self, request: Request, final_text: str | None = None) -> str:
         """``final_text``: the request's text once it is finished (everything left is given)."""
-        state = self.state.setdefault(request.request_id, _Detokenized())
+        return self.delta_of(request.request_id, request.output_token_ids, request.params.stop, final_text)
+
+    def delta_of(self, key, ids: list[int], stops: list[str], final_text: str | None = None) -> str:
+        """The same for a stream known only by ``key``, its tokens so far and its stop strings (the server's
+        HTTP process detokenizes its streams this way, away from the engine's process)."""
+        state = self.state.setdefault(key, _Detokenized())
         if final_text is not None:
-            del self.state[request.request_id]
+            del self.state[key]
             return final_text[state.sent:]
-        ids = request.output_token_ids
         if len(ids) > state.read:
             before = self.tokenizer.decode(ids[state.prefix:state.read]) if state.read > state.prefix else ""
             after = self.tokenizer.decode(ids[state.prefix:])
             if len(after) > len(before) and not after.endswith("\ufffd"):  # else a character is not complete yet
                 state.text += after[len(before):]
                 state.prefix, state.read = state.read, len(ids)
-        text = state.text[:len(state.text) - _stop_prefix_overlap(state.text, request.params.stop)]
+        text = state.text[:len(state.text) - _stop_prefix_overlap(state.text, stops)]
         delta = text[state.sent:]
         state.sent = max(state.sent, len(text))
         return delta

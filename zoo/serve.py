@@ -5,7 +5,8 @@
 Starlette (through FastAPI) and uvicorn handle HTTP (the ``serve`` extra); zoo supplies one engine loop. The
 engine runs in a process of its own: handlers hand it requests and aborts through a pipe, and it sends each
 step's tokens back in one message, which a reader thread hands to the handlers' event loop, so every HTTP
-request joins the running continuous batch as it arrives. Endpoints: ``POST /v1/completions``,
+request joins the running continuous batch as it arrives. Streams turn their tokens into text in the HTTP
+process, beside the engine's steps. Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with ``stream``: server-sent events ending in ``data: [DONE]``),
 ``GET /v1/models`` (the base model and every adapter; a request selects an adapter by its name in ``model``),
 ``GET /health`` and ``GET /metrics`` (Prometheus).
@@ -78,18 +79,15 @@ class EngineLoop:
     1.5 ms."""
 
     def __init__(self, llm, conn, control=None):
-        from zoo.llm import TextDeltas
-
         # conn: the pipe to the HTTP process (tensor-parallel rank 0 only); control: under tensor parallelism,
         # the group over which rank 0 hands every rank the same messages at the same point of the loop
         self.llm, self.engine, self.conn, self.control = llm, llm.engine, conn, control
         self.owner: dict[int, tuple[int, int]] = {}  # group request id -> (submission, prompt index)
         self.requests_of: dict[int, list] = {}  # submission -> its zoo requests
-        self.streamed: set[int] = set()  # submissions whose handlers stream: only theirs get text deltas
+        self.streamed: set[int] = set()  # submissions whose handlers stream: only theirs get each step's tokens
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s of steps, for tokens/s
         self.recent_tokens = 0  # their sum
         self.outbox: list[tuple[int, tuple]] = []  # (submission, event) of this step, sent together
-        self.deltas = TextDeltas(llm.tokenizer)
 
     def run(self) -> None:
         while True:
@@ -156,8 +154,11 @@ class EngineLoop:
             ident, index = owner
             if (tokens and ident in self.streamed and not request.error and not request.beam_hypotheses
                     and self.conn is not None):
-                text = self.deltas.delta(request, self.llm.text_of(request) if request.is_finished else None)
-                self.outbox.append((ident, ("delta", index, request.sample_index, tokens, text)))
+                # tokens, and the text only once it is final (cut at a stop string): the HTTP process decodes the
+                # rest, so that detokenizing (15% of this process at concurrency 64 on the H200,
+                # h200_round4/engine_spy_call6.txt) runs beside the steps
+                final = request.output_text if request.is_finished else None
+                self.outbox.append((ident, ("delta", index, request.sample_index, tokens, final)))
             if request.group_finished:  # after every sample's last delta of this step (n > 1 finish together)
                 finished[request.group.request_id] = request.group
         for group in finished.values():
@@ -195,8 +196,6 @@ class EngineLoop:
             if request.request_id in self.owner and not request.group_finished:
                 self.engine.abort(request)
                 self.owner.pop(request.request_id, None)
-                for member in request.samples or [request]:
-                    self.deltas.forget(member)  # its text will not be asked for again
 
     def state(self) -> dict:
         engine, steps = self.engine, self.engine.stats.token_steps
@@ -620,6 +619,8 @@ def build_app(server: Server):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+    from zoo.llm import TextDeltas
+
     app = FastAPI(title="zoo", docs_url=None, redoc_url=None, openapi_url=None)
     limit = int(server.server.max_body_bytes)
     waiting_cap = int(server.server.max_waiting_requests)
@@ -688,7 +689,7 @@ def build_app(server: Server):
         model = body.get("model") or server.model_name
         if body.get("stream"):
             return StreamingResponse(stream(request, submission, chat, ident, created, model, len(items),
-                                            values.get("n", 1), bool(body.get("stream_options", {}) or {})
+                                            values.get("n", 1), values.get("stop") or [], bool(body.get("stream_options", {}) or {})
                                             and bool((body.get("stream_options") or {}).get("include_usage"))),
                                      media_type="text/event-stream")
         outputs = [None] * len(items)
@@ -709,8 +710,9 @@ def build_app(server: Server):
         choices, usage = server.choices(outputs, chat)
         return {"id": ident, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
 
-    async def stream(request, submission, chat, ident, created, model, prompts, n, include_usage):
+    async def stream(request, submission, chat, ident, created, model, prompts, n, stops, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        deltas, token_ids = TextDeltas(server.tokenizer), {}  # choice -> its tokens so far
 
         def chunk(choices, usage=None):
             data = {"id": ident, "object": kind, "created": created, "model": model, "choices": choices}
@@ -748,9 +750,11 @@ def build_app(server: Server):
 
                 for event in events:
                     if event[0] == "delta":
-                        _, index, sample, tokens, text = event
+                        _, index, sample, tokens, final = event
                         choice = index * n + sample
-                        pending[choice] = pending.get(choice, "") + text
+                        ids = token_ids.setdefault(choice, [])
+                        ids.extend(tokens)
+                        pending[choice] = pending.get(choice, "") + deltas.delta_of(choice, ids, stops, final)
                         continue
                     write_pending()
                     if event[0] == "finished":
@@ -761,6 +765,11 @@ def build_app(server: Server):
                             continue
                         for sample in output.samples or [output]:
                             choice = index * n + getattr(sample, "index", 0)
+                            if choice in deltas.state:  # text held back (a partial character, what might begin
+                                # a stop string) by a stream whose last step brought no tokens
+                                rest = deltas.delta_of(choice, token_ids[choice], stops, sample.text)
+                                if rest:
+                                    parts.append(delta_chunk(choice, rest))
                             finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
                             if chat:
                                 parts.append(chunk([{"index": choice, "delta": {}, "finish_reason": finish,
