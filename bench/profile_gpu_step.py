@@ -34,10 +34,11 @@ from gpu import write_checkpoint  # noqa: E402
 # program per possible split (lanes); the LM head's weight-streaming kernel (gemv_rows); whole prompts without
 # the mask (fresh); the graph's argmax as two Triton launches instead of torch's (argmax); programmatic dependent
 # launch of the Triton kernels (pdl); the layers' projections through the weight-streaming kernel up to
-# proj_rows rows; rotary with the cache write and SiLU-and-mul in the epilogues of those products (fold).
+# proj_rows rows; rotary with the cache write and SiLU-and-mul in the epilogues of those products (fold), and the
+# RMSNorms before them inside them (fold_norms).
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
-BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False)
+BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, fold_norms=False)
 VARIANTS = {
     "main": dict(BASE, lanes=False, gemv_rows=0, fresh=False),
     "round5": BASE,
@@ -47,6 +48,7 @@ VARIANTS = {
     "pdl_proj": dict(BASE, argmax=True, pdl=True, proj_rows=16),
     "new": dict(BASE, argmax=True, pdl=True, proj_rows=1),
     "fold": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True),
+    "fold_norms": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True, fold_norms=True),
 }
 TRITON_ARGMAX = None
 
@@ -62,6 +64,7 @@ def apply(variant: dict) -> None:
     triton_attention.PDL = variant["pdl"]
     fused_ops.PROJECTION_GEMV_MAX_ROWS = variant["proj_rows"]
     fused_ops.FOLD_INTO_PROJECTIONS = variant["fold"]
+    fused_ops.FOLD_NORMS = variant["fold_norms"]
 
 
 def main() -> int:

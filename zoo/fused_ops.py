@@ -22,6 +22,7 @@ Triton's interpreter.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,10 @@ PROJECTION_GEMV_MAX_ROWS = 4
 # (``qkv_rope_and_write_cache``, ``gate_up_silu``) wherever ``projection`` would stream that product's weights:
 # 32 launches fewer per decode step of a 16-layer model, with the same bits as the separate kernels.
 FOLD_INTO_PROJECTIONS = True
+# Whether the RMSNorm before those products runs inside them too (``PendingNorm``), where the layer's norms are
+# RMSNorms over the sublayer's input: two launches fewer per layer, at the cost of bit-equality with the
+# separate norm kernel.
+FOLD_NORMS = True
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -144,19 +149,36 @@ if triton is not None:
 
     @triton.jit
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
+                        Residual, NormWeight, Summed, stride_r, stride_s, eps, store_summed,
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32.
+        # With NORM, x is first RMSNorm(x + residual) * weight, applied on the fly (see PendingNorm); a program
+        # with store_summed writes x + residual.
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        squares = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, k, BLOCK_K):
             ks = start + offs_k
             k_ok = ks < k
             w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x_mask = row_ok[:, None] & k_ok[None, :]
+            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=x_mask, other=0.0)
+            if NORM:
+                if HAS_RESIDUAL:  # rounded to the model dtype before the norm reads it, as in eager PyTorch
+                    x = (x.to(tl.float32) + tl.load(Residual + offs_m[:, None] * stride_r + ks[None, :],
+                                                    mask=x_mask, other=0.0).to(tl.float32)).to(x.dtype)
+                    if store_summed:
+                        tl.store(Summed + offs_m[:, None] * stride_s + ks[None, :], x, mask=x_mask)
+                xf = x.to(tl.float32)
+                squares += tl.sum(xf * xf, 1)
+                x = (xf * tl.load(NormWeight + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
             if IEEE:  # float32 models: no TF32 rounding of the operands
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
+        if NORM:
+            acc = acc * tl.rsqrt(squares / k + eps)[:, None]
         return acc
 
     @triton.jit
@@ -172,14 +194,16 @@ if triton is not None:
         # 512 columns, 19% slower for all of them (profile_pdl_ab.txt), so the wait comes first.
         wait_for_previous_kernel(PDL)
         acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
-                              IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                              X, X, X, 0, 0, 0.0, False, False, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
         tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+    def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
+                        Residual, NormWeight, Summed, stride_r, stride_s, eps,
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
@@ -188,7 +212,8 @@ if triton is not None:
         col_ok = first + i % PAIR < n
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
-                              IEEE, BLOCK_M, 2 * PAIR, BLOCK_K)
+                              Residual, NormWeight, Summed, stride_r, stride_s, eps, tl.program_id(0) == 0,
+                              NORM, HAS_RESIDUAL, IEEE, BLOCK_M, 2 * PAIR, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -196,13 +221,16 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
-                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             Residual, NormWeight, Summed, stride_r, stride_s, eps,
+                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
         wait_for_previous_kernel(PDL)
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
+                                   Residual, NormWeight, Summed, stride_r, stride_s, eps,
+                                   NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -214,6 +242,8 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
                                stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
+                               Residual, NormWeight, Summed, stride_r, stride_s, eps,
+                               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -224,7 +254,8 @@ if triton is not None:
         first = head * 2 * HALF + (tl.program_id(0) % (HALF // PAIR)) * PAIR
         wait_for_previous_kernel(PDL)
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
-                                 rows, k, stride_x, stride_w, HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
+                                 rows, k, stride_x, stride_w, Residual, NormWeight, Summed, stride_r, stride_s, eps,
+                                 NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -366,6 +397,30 @@ def folds_into_projection(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return FOLD_INTO_PROJECTIONS and gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS)
 
 
+@dataclass
+class PendingNorm:
+    """``RMSNorm(x + residual) * weight`` left to the product that reads it: ``gate_up_silu`` and
+    ``qkv_rope_and_write_cache`` apply it on the fly and write ``x + residual``. Each program sums the squares of
+    the row as it streams it and scales its dot products by the norm at the end, so the normalised input is not
+    rounded before the product as in the separate kernel: results differ from it in the last bits."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
+
+
+def _norm_launch(x: torch.Tensor, norm: PendingNorm | None) -> tuple[dict, torch.Tensor]:
+    # The kernels' norm arguments, and what the caller gets back as the input the norm read (x + residual).
+    if norm is None:
+        return dict(Residual=x, NormWeight=x, Summed=x, stride_r=0, stride_s=0, eps=0.0, NORM=False,
+                    HAS_RESIDUAL=False), x
+    residual = norm.residual
+    summed = torch.empty_like(x) if residual is not None else x
+    return dict(Residual=residual if residual is not None else x, NormWeight=norm.weight, Summed=summed,
+                stride_r=residual.stride(0) if residual is not None else 0, stride_s=summed.stride(0), eps=norm.eps,
+                NORM=True, HAS_RESIDUAL=residual is not None), summed
+
+
 def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int) -> dict:
     # The tile of the plain kernel for this weight, cut into two runs of PAIR rows.
     block_n, block_k, stages, warps = gemv_config(weight.shape[0])
@@ -374,23 +429,28 @@ def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int)
                 BLOCK_K=block_k, num_stages=stages, num_warps=warps, **pdl_options(x.device))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 norm: PendingNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu_and_mul(F.linear(x, weight, bias))`` for ``weight = [gate; up]``, as one launch: each program
-    streams matching gate and up rows and stores only the activated product."""
+    streams matching gate and up rows and stores only the activated product. With ``norm``, of the normalised
+    ``x + residual``. Returns (the product, the input before the norm: x + residual, or x)."""
     half = weight.shape[0] // 2
     out = torch.empty(x.shape[0], half, dtype=x.dtype, device=x.device)
     options = _paired_launch(x, weight, bias, 1 << 30)
+    norm_args, summed = _norm_launch(x, norm)
     _gate_up_silu_kernel[(triton.cdiv(half, options["PAIR"]),)](
         x, weight, bias if bias is not None else weight, out, x.shape[0], half, weight.shape[1],
-        x.stride(0), weight.stride(0), out.stride(0), **options)
-    return out
+        x.stride(0), weight.stride(0), out.stride(0), **norm_args, **options)
+    return out, summed
 
 
 def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
-                             num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch;
-    returns q ``[T, heads, head_dim]``. ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two
-    half; cos, sin: ``[T, head_dim]`` or None (no rotary)."""
+                             num_heads: int, num_kv_heads: int,
+                             norm: PendingNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch.
+    ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two half; cos, sin: ``[T, head_dim]`` or
+    None (no rotary); ``norm``: as in ``gate_up_silu``. Returns (q ``[T, heads, head_dim]``, the input before the
+    norm)."""
     tokens = x.shape[0]
     head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
     half = head_dim // 2
@@ -399,12 +459,13 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     has_rope = cos is not None
     options = _paired_launch(x, weight, bias, half)
+    norm_args, summed = _norm_launch(x, norm)
     _qkv_rope_cache_kernel[((num_heads + 2 * num_kv_heads) * half // options["PAIR"],)](
         x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
         flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
-        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
+        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1), **norm_args,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options)
-    return q
+    return q, summed
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
