@@ -24,9 +24,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-# What a fold into a projection's epilogue may differ by from the separate kernels: nothing on the GPU, where each
-# column sums over K in the same order; the interpreter's float32 dot sums in an order that follows the tile.
-FOLD_TOLERANCE = dict(atol=0, rtol=0) if DEVICE == "cuda" else dict(atol=1e-4, rtol=1e-4)
+def fold_tolerance(dtype):
+    """What a fold into a projection's epilogue may differ by from the separate kernels. On CPU the interpreter's
+    float32 dot sums in an order that follows the tile. On the H200 (bench/results/gpu/round8/pytest_cuda_call1.txt)
+    gate/up with SiLU gave the same bits in bf16, and the q/k/v product without rotary too; float32 parted by
+    1.5e-5, and rotary in the q/k/v epilogue by one bf16 ulp of its inputs in 13% of the elements."""
+    if DEVICE != "cuda":
+        return dict(atol=1e-4, rtol=1e-4)
+    return dict(atol=5e-5, rtol=1e-5) if dtype == torch.float32 else tolerance(dtype)
 
 
 def tolerance(dtype):
@@ -113,7 +118,8 @@ def test_gate_up_silu_is_the_product_then_silu_and_mul(dtype, rows, bias):
     expected = fused_ops.silu_and_mul(fused_ops.projection(x, weight, b))
     out, summed = fused_ops.gate_up_silu(x, weight, b)
     assert summed is x
-    torch.testing.assert_close(out, expected, **FOLD_TOLERANCE)
+    exact = DEVICE == "cuda" and dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, **(dict(atol=0, rtol=0) if exact else fold_tolerance(dtype)))
     gate, up = F.linear(x, weight, b).chunk(2, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, **tolerance(dtype))
 
@@ -142,12 +148,13 @@ def test_qkv_rope_and_cache_write_is_the_product_then_the_rope_kernel(dtype, hea
                                                 expected_cache[0], expected_cache[1], slots)
     out, _ = fused_ops.qkv_rope_and_write_cache(x, weight, b, cos, sin, cache[0], cache[1], slots, heads, kv_heads)
     assert out.shape == (tokens, heads, head_dim)
-    torch.testing.assert_close(out, expected_q, **FOLD_TOLERANCE)
-    torch.testing.assert_close(cache, expected_cache, **FOLD_TOLERANCE)
+    exact = DEVICE == "cuda" and dtype == torch.bfloat16 and not rotary
+    torch.testing.assert_close(out, expected_q, **(dict(atol=0, rtol=0) if exact else fold_tolerance(dtype)))
+    torch.testing.assert_close(cache, expected_cache, **(dict(atol=0, rtol=0) if exact else fold_tolerance(dtype)))
 
 
 # A norm folded into the product scales after it, so the normalised input is not rounded first: in bf16 the
-# results differ from the separate kernels by about one rounding of that input.
+# results differ from the separate kernels by about one rounding of that input (not yet run on a GPU).
 NORM_FOLD_TOLERANCE = dict(atol=1e-4, rtol=1e-4) if DEVICE != "cuda" else dict(atol=5e-2, rtol=2e-2)
 
 
@@ -234,11 +241,12 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "FOLD_NORMS", fold_norms)
-    folded = []
-    for name_ in ("qkv_rope_and_write_cache", "gate_up_silu"):
-        kernel = getattr(fused_ops, name_)
-        monkeypatch.setattr(fused_ops, name_, lambda *a, _k=kernel, _n=name_, **kw: folded.extend(
-            [_n] + ["norm"] * (a[-1] is not None if len(a) in (4, 11) else False)) or _k(*a, **kw))
+    calls = []  # (kernel, whether it was handed a pending norm)
+    for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):
+        def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
+            calls.append((_name, args[-1] is not None))  # the model hands the pending norm (or None) last
+            return _kernel(*args)
+        monkeypatch.setattr(fused_ops, kernel_name, counted)
     folder, model = checkpoints[name]
     llm = LLM(str(folder), max_num_batched_tokens=16)
     llm.engine.model.use_fused_ops(True)
@@ -247,5 +255,5 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, prompt, 6)[0]
     folds_ran = fold and projection_rows > 0
-    assert ("qkv_rope_and_write_cache" in folded) is folds_ran and ("gate_up_silu" in folded) is folds_ran
-    assert ("norm" in folded) is (folds_ran and fold_norms)
+    assert {kernel for kernel, _ in calls} == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set())
+    assert any(normed for _, normed in calls) is (folds_ran and fold_norms)

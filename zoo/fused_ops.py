@@ -52,8 +52,11 @@ PROJECTION_GEMV_MAX_ROWS = 4
 FOLD_INTO_PROJECTIONS = True
 # Whether the RMSNorm before those products runs inside them too (``PendingNorm``), where the layer's norms are
 # RMSNorms over the sublayer's input: two launches fewer per layer, at the cost of bit-equality with the
-# separate norm kernel.
-FOLD_NORMS = True
+# separate norm kernel. Off: built and checked against transformers on CPU, not yet run on a GPU. The RMSNorm
+# folded the other way (bench/norm_gemv.py: every program normalises the row before streaming its weights)
+# lost 0.66x on the H200; this one sums the squares while it streams. `bench/profile_gpu_step.py --variants
+# fold fold_norms` decides.
+FOLD_NORMS = False
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}

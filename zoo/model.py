@@ -535,7 +535,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, residual, rope):
         """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
-        if self.pre_norms_fold and self.parallel is None:
+        if self.pre_norms_fold and fused_ops.FOLD_NORMS and self.parallel is None:
             # each add and norm left to the product after it, which runs it on the fly where it can
             attended, hidden = self.self_attn(hidden, rope, pre_norm=(self.input_layernorm, residual))
             return self.mlp(attended, pre_norm=(self.post_attention_layernorm, hidden))
