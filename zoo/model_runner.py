@@ -148,9 +148,10 @@ class ModelRunner:
         the block tables. From the host only ``new_blocks`` ((row, column, block id): blocks appended since)
         and the next tokens, which the caller copies; a full :meth:`prepare` builds and copies every list."""
         n, buf, bs = len(scheduled), self.buffers, self.block_size
-        if new_blocks:
-            rows, columns, ids = (int64_tensor(v).to(self.device, non_blocking=True) for v in zip(*new_blocks))
-            buf["block_tables"][rows, columns] = ids
+        if new_blocks:  # one copy for the three lists (py-spy found the three copies at 2% of a serving engine)
+            table = int64_tensor([v for entry in new_blocks for v in entry]).to(self.device, non_blocking=True)
+            table = table.view(-1, 3)
+            buf["block_tables"][table[:, 0], table[:, 1]] = table[:, 2]
         buf["positions"][:, :n] += 1
         for name in ("token_cache_index", "context_lens", "draft_start"):
             buf[name][:n] += 1
