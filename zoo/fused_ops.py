@@ -48,8 +48,8 @@ GEMV_MAX_ROWS = 32
 PROJECTION_GEMV_MAX_ROWS = 4
 # Whether rotary with the cache write, and SiLU-and-mul, run in the epilogue of the product before them
 # (``qkv_rope_and_write_cache``, ``gate_up_silu``) wherever ``projection`` would stream that product's weights:
-# 32 launches fewer per decode step of a 16-layer model. In bf16 the H200 gave the separate kernels' bits (rotary
-# once it launched with EXACT_ROUNDING, below); float32 products part in their last bits, since the tiles differ.
+# 32 launches fewer per decode step of a 16-layer model. In bf16 the H200 gave the separate kernels' bits, but for
+# rotary's one ulp, since removed with EXACT_ROUNDING (below; not yet rerun there); float32 parts in its last bits.
 FOLD_INTO_PROJECTIONS = True
 # Whether the RMSNorm before those products runs inside them too (``PendingNorm``), where the layer's norms are
 # RMSNorms over the sublayer's input: two launches fewer per layer, at the cost of bit-equality with the
