@@ -262,8 +262,9 @@ if triton is not None:
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
         head = tl.program_id(0) // (HALF // PAIR)
-        offs_d = (tl.program_id(0) % (HALF // PAIR)) * PAIR + tl.arange(0, PAIR)
-        first = head * 2 * HALF + (tl.program_id(0) % (HALF // PAIR)) * PAIR
+        start = (tl.program_id(0) % (HALF // PAIR)) * PAIR  # of this program's run in the head's first half
+        offs_d = start + tl.arange(0, PAIR)
+        first = head * 2 * HALF + start
         wait_for_previous_kernel(PDL)
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
                                  rows, k, stride_x, stride_w, Residual, NormWeight, Summed, stride_r, stride_s, eps,
