@@ -41,6 +41,7 @@ def assert_one_line(proc, message):
     ("runtime.max_num_seqs=-1", "runtime.max_num_seqs=-1: must be an integer >= 1"),
     ("runtime.admission_interval=0", "runtime.admission_interval=0: must be an integer >= 1"),
     ("runtime.prompt_graph_tokens=-1", "runtime.prompt_graph_tokens=-1: must be an integer >= 0"),
+    ("runtime.mixed_graph_tokens=-5", "runtime.mixed_graph_tokens=-5: must be an integer >= 0"),
     ("runtime.max_num_batched_tokens=0", "runtime.max_num_batched_tokens=0: must be an integer >= 1"),
     ("runtime.gpu_memory_utilization=1.5", "runtime.gpu_memory_utilization=1.5: must be a number in [0.01, 1.0]"),
     ("runtime.seed=abc", "runtime.seed='abc': must be an integer >= 0"),

@@ -128,6 +128,54 @@ def test_bfloat16_prompt_graphs_part_from_eager_prompts_only_at_near_ties(checkp
     assert near_ties <= len(prompts) // 2
 
 
+def arrivals_beside_decodes(engine, prompts, params) -> list:
+    """Requests arriving in groups while the ones before decode, so that steps mix decodes with prompts (and,
+    after the shared prefix, chunks); returns them in order once all are done."""
+    requests = []
+    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):
+        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
+        engine.step()
+        engine.step()
+    engine.run_until_done()
+    return requests
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_mixed_steps_replay_graphs_and_match_transformers_in_float32(checkpoints, name):
+    """runtime.mixed_graph_tokens: steps that admit prompts while others decode replay a mixed graph of the next
+    token bucket (every row through the decode kernel); in float32 the tokens are transformers'."""
+    folder, model = checkpoints[name]
+    option = "gpt2" if name == "gpt2" else "llama"
+    prompts = prompt_set()
+    llm = LLM(str(folder), model=option, device="cuda", dtype="float32", mixed_graph_tokens=128,
+              max_num_batched_tokens=128)
+    graphs = llm.engine.runner.graphs
+    assert graphs.mixed_sizes == [16, 32, 64, 128]
+    requests = arrivals_beside_decodes(llm.engine, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert graphs.replays.get("mixed", 0) >= 3
+    for prompt, request in zip(prompts, requests):
+        assert request.output_token_ids == hf_greedy(model, prompt, 12)[0]
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_bfloat16_mixed_graphs_part_from_eager_mixed_steps_only_at_near_ties(checkpoints):
+    """In bf16 a mixed graph attends prompts with the decode kernel instead of the eager step's varlen flash
+    call, and its products have the bucket's rows: tokens may part where the eager run's top two log-probs were
+    a near-tie. Prompt graphs are off in both runs, so the first prompt's step is a mixed graph too."""
+    folder, _ = checkpoints["llama"]
+    prompts = prompt_set(seed=6)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2)
+    runs = {}
+    for tokens in (512, 0):
+        llm = LLM(str(folder), device="cuda", dtype="bfloat16", prompt_graph_tokens=0, mixed_graph_tokens=tokens)
+        requests = arrivals_beside_decodes(llm.engine, prompts, params)
+        runs[tokens] = [llm.output_of(r) for r in requests]
+        assert (llm.engine.runner.graphs.replays.get("mixed", 0) >= 3) == bool(tokens)
+    near_ties = tokens_part_only_at_near_ties(runs[512], runs[0])
+    print(f"mixed graphs in bf16: {near_ties} of {len(prompts)} requests parted at a near-tie")
+    assert near_ties <= len(prompts) // 2
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_graphs_on_and_off_give_identical_tokens(checkpoints, dtype):
     folder, _ = checkpoints["llama"]

@@ -21,10 +21,23 @@ model, and on the H200 the host took longer to launch them than the GPU to
 run them (a 2,040-token prompt: 8 ms of kernels, 10 ms of launching). The
 step's rows are padded to the bucket with a dummy prompt writing to the
 scratch block, and up to PROMPT_GRAPH_SEQS prompts go through one varlen
-flash call whose sequence boundaries are a buffer the step writes. Steps a
-plugin must run eagerly (its work reads the step's requests, as prompt
-tuning's virtual tokens or an image's features do) say so with
-:meth:`zoo.engine_setup.EngineSetup.run_eagerly_when`.
+flash call whose sequence boundaries are a buffer the step writes.
+
+Steps that mix decodes with prompts or chunks (a server admitting requests
+while others decode) replay graphs of their own (``runtime.mixed_graph_tokens``),
+one per token bucket. There the decode kernel attends every row: a prompt's
+row at cache index i is a query that sees its sequence's keys 0..i, which the
+step has just written, so no row is gathered and no varlen call's bounds are
+needed. Such a graph holds up to min(bucket, max_num_seqs) sequences; rows
+past the step's write to the scratch block. The kernel reads each row's keys
+again, so long prompts stay with the prompt graphs and the eager path. On the
+H200 the eager forward of these steps took 31% of a serving engine process
+that was itself the bottleneck (bench/results/serve/h200_round4/).
+
+Steps a plugin must run eagerly (its work reads the step's requests, as
+prompt tuning's virtual tokens or an image's features do) say so with
+:meth:`zoo.engine_setup.EngineSetup.run_eagerly_when`; neither prompt nor
+mixed graphs are taken for a step a graph variant's predicate holds for.
 """
 
 from __future__ import annotations
@@ -41,9 +54,23 @@ from zoo.forward_context import ForwardContext, forward_context
 from zoo.model import RaggedCausal
 
 PROMPT_FAMILY = "prompt"
+MIXED_FAMILY = "mixed"
 # Prompts one prompt graph holds. Its varlen call runs one more sequence (the padding) and launches programs for
 # every sequence at the bucket's length; the empty ones return at once, so a few cost little.
 PROMPT_GRAPH_SEQS = 8
+
+
+def token_buckets(limit: int) -> list[int]:
+    """Token counts of the prompt and mixed graphs up to ``limit`` (0: none): powers of two up to 256, then every
+    256, then ``limit`` (a step pads to the next one, so at most a quarter of the work is padding past 256)."""
+    if limit < 1:
+        return []
+    sizes = [n for n in (16, 32, 64, 128, 256) if n < limit] + list(range(512, limit, 256)) + [limit]
+    return sorted(set(sizes))
+
+
+def next_bucket(buckets: list[int], tokens: int) -> int | None:
+    return min((size for size in buckets if size >= tokens), default=None)
 
 
 @dataclass(frozen=True)
@@ -66,7 +93,9 @@ class DecodeGraphs:
         self.replays: dict[str, int] = {}  # family (+variant) -> replays, to tell which ran
         self.variants: dict[str, Callable] = {}  # name -> predicate on a step's scheduled requests
         self.eager_when: list[Callable] = []  # predicates on a step's scheduled requests: no graph for it
+        self._pool = self._stream = None  # the captures' memory pool and side stream
         self.prompt_sizes: list[int] = []  # the prompt buckets captured
+        self.mixed_sizes: list[int] = []  # the mixed-step buckets captured
         # a prompt graph's sequence boundaries (int32, as flash's varlen call takes them): its prompts', then the
         # padding's, then empty sequences up to PROMPT_GRAPH_SEQS + 1
         self.prompt_bounds = torch.zeros(PROMPT_GRAPH_SEQS + 2, dtype=torch.int32, device=runner.device)
@@ -94,22 +123,30 @@ class DecodeGraphs:
 
     def prompt_buckets(self, prompt_tokens: int) -> list[int]:
         """Token counts prompt graphs are captured for, up to ``prompt_tokens`` (runtime.prompt_graph_tokens; 0:
-        none): powers of two up to 256, then every 256 (a step pads to the next one, so at most a quarter of the
-        work is padding past 256 tokens)."""
+        none); see :func:`token_buckets`."""
         runner = self.runner
-        limit = min(prompt_tokens, runner.limits.max_num_tokens)
-        if (limit < 1 or not (runner.ragged_path and runner.fresh_causal_path)
-                or runner.description.sliding_window):
+        if not (runner.ragged_path and runner.fresh_causal_path) or runner.description.sliding_window:
             return []
-        sizes = [n for n in (16, 32, 64, 128, 256) if n < limit] + list(range(512, limit, 256)) + [limit]
-        return sorted(set(sizes))
+        return token_buckets(min(prompt_tokens, runner.limits.max_num_tokens))
 
-    def capture(self, prompt_tokens: int = 0) -> None:
-        """Every family, largest first, sharing one memory pool; prompt graphs (up to ``prompt_tokens``) first:
-        their activations are the largest, and later captures reuse the pool's free memory."""
+    def mixed_buckets(self, mixed_tokens: int) -> list[int]:
+        """Token counts mixed-step graphs are captured for, up to ``mixed_tokens`` (runtime.mixed_graph_tokens;
+        0: none). They need the decode kernel, which a sliding window turns off."""
         runner = self.runner
-        self._pool, self._stream = None, torch.cuda.Stream(runner.device)
+        return token_buckets(min(mixed_tokens, runner.limits.max_num_tokens)) if runner.decode_kernel else []
+
+    def mixed_seqs(self, tokens: int) -> int:
+        """Sequences a mixed graph of ``tokens`` rows holds: as many as could fit, one row each."""
+        return min(tokens, self.runner.limits.max_num_seqs)
+
+    def capture(self, prompt_tokens: int = 0, mixed_tokens: int = 0) -> None:
+        """Every family, largest first, sharing one memory pool: prompt graphs (up to ``prompt_tokens``) first,
+        then mixed-step graphs (up to ``mixed_tokens``): their activations are the largest, and later captures
+        reuse the pool's free memory."""
+        runner = self.runner
+        self._pool = None
         self.prompt_sizes = self.prompt_buckets(prompt_tokens)
+        self.mixed_sizes = self.mixed_buckets(mixed_tokens)
         for tokens in reversed(self.prompt_sizes):
             self.pad_prompts(None, tokens)
             ragged = RaggedCausal(rows=None, key_slots=runner.buffers["slot_mapping"][:tokens],
@@ -120,6 +157,14 @@ class DecodeGraphs:
             context = ForwardContext(meta, runner.step_buffers({"token": tokens, "seq": PROMPT_GRAPH_SEQS}), None)
             body = functools.partial(self._model_body, logits_rows=PROMPT_GRAPH_SEQS)
             self.graphs[(PROMPT_FAMILY, tokens)] = self._capture(body, context)
+        for tokens in reversed(self.mixed_sizes):
+            seqs = self.mixed_seqs(tokens)
+            self.pad_mixed(None, tokens)
+            meta = runner.attention_metadata(tokens, seqs, 1, runner.limits.max_blocks_per_seq, False,
+                                             use_kernel=True)
+            context = ForwardContext(meta, runner.step_buffers({"token": tokens, "seq": seqs}), None)
+            body = functools.partial(self._model_body, logits_rows=seqs)
+            self.graphs[(MIXED_FAMILY, tokens)] = self._capture(body, context)
         captures = [(family, None) for family in self.families.values()]
         captures += [(family, variant) for variant in self.variants for family in self.families.values()
                      if family.body == self._model_body]
@@ -134,10 +179,14 @@ class DecodeGraphs:
                 context = ForwardContext(meta, buffers, None, graph_variant=variant)
                 self.graphs[(family.name, size) + ((variant,) if variant else ())] = self._capture(family.body,
                                                                                                    context)
-        torch.cuda.synchronize(runner.device)
+        if self._stream is not None:  # anything captured
+            torch.cuda.synchronize(runner.device)
 
     def _capture(self, body, context: ForwardContext) -> tuple:
-        device, stream = self.runner.device, self._stream
+        device = self.runner.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
             body(context)  # warm-up: compiles kernels, fills caches
@@ -185,12 +234,26 @@ class DecodeGraphs:
         # switched off (bench/gpu.py times the masked path so) leaves them eager too.
         if (not buckets or not self.runner.fresh_causal_path or not layout.fresh_causal or layout.decode_rows
                 or len(layout.prompt_spans) > PROMPT_GRAPH_SEQS
-                or len(layout.logits_indices) > PROMPT_GRAPH_SEQS
-                or any(when(scheduled) for when in itertools.chain(self.variants.values(), self.eager_when))):
+                or len(layout.logits_indices) > PROMPT_GRAPH_SEQS or self._kept_eager(scheduled)):
             return None
-        tokens = len(layout.input_ids)
-        bucket = min((size for size in buckets if size >= tokens), default=None)
+        bucket = next_bucket(buckets, len(layout.input_ids))
         return None if bucket is None else (PROMPT_FAMILY, bucket)
+
+    def mixed_key(self, layout, scheduled) -> tuple | None:
+        """(MIXED_FAMILY, bucket) for any other step a mixed graph can replay, else None: no drafts and no
+        bidirectional prefix (``layout.splittable``: the decode kernel's causal rule is all it attends by), at
+        most the bucket's sequences of logits rows."""
+        if not self.mixed_sizes or not layout.splittable or self._kept_eager(scheduled):
+            return None
+        bucket = next_bucket(self.mixed_sizes, len(layout.input_ids))
+        if bucket is None or len(layout.logits_indices) > self.mixed_seqs(bucket):
+            return None
+        return (MIXED_FAMILY, bucket)
+
+    def _kept_eager(self, scheduled) -> bool:
+        """Whether a plugin keeps the step off the prompt and mixed graphs: it asks for eager, or a graph
+        variant holds (only the decode families are captured per variant)."""
+        return any(when(scheduled) for when in itertools.chain(self.variants.values(), self.eager_when))
 
     def pad_prompts(self, layout, tokens: int) -> None:
         """A prompt step's rows past its own, up to ``tokens``, become a dummy prompt writing to the scratch
@@ -203,6 +266,23 @@ class DecodeGraphs:
         ends = [] if layout is None else list(itertools.accumulate(n for _, n in layout.prompt_spans))
         bounds = [0, *ends] + [tokens] * (PROMPT_GRAPH_SEQS + 1 - len(ends))
         self.prompt_bounds.copy_(torch.tensor(bounds, dtype=torch.int32), non_blocking=True)
+
+    def pad_mixed(self, layout, tokens: int) -> None:
+        """A mixed step's rows past its own, up to ``tokens``, become dummies writing to the scratch block, each
+        a query at cache index 0 of sequence 0 (read, never used); logits rows past its own read row 0.
+        ``layout`` None (capture): every row and sequence a dummy."""
+        buf, real = self.runner.buffers, 0 if layout is None else len(layout.input_ids)
+        seqs = self.mixed_seqs(tokens)
+        if real < tokens:
+            rows = slice(real, tokens)
+            self._dummy_tokens(rows)
+            buf["token_seq"][rows] = 0
+            buf["token_cache_index"][rows] = 0
+        buf["logits_indices"][0 if layout is None else len(layout.logits_indices):seqs] = 0
+        if layout is None:
+            buf["block_tables"][:seqs] = self.runner.kv.scratch_block
+            buf["context_lens"][:seqs] = 1
+            buf["draft_start"][:seqs] = 1
 
     def replay(self, family: str, size: int, variant: str | None = None) -> tuple:
         graph, outputs = self.graphs[(family, size) + ((variant,) if variant else ())]

@@ -145,7 +145,8 @@ class Engine:
         self.uses_cuda_graphs = (self.device.type == "cuda" and bool(runtime["cuda_graphs"])
                                  and not runtime["enforce_eager"] and runner.decode_kernel)
         if self.uses_cuda_graphs:
-            runner.graphs.capture(prompt_tokens=int(runtime["prompt_graph_tokens"]))
+            runner.graphs.capture(prompt_tokens=int(runtime["prompt_graph_tokens"]),
+                                  mixed_tokens=int(runtime["mixed_graph_tokens"]))
         return runner
 
     # ---------------------------------------------------------------- requests

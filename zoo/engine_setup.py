@@ -74,8 +74,9 @@ class EngineSetup:
     def run_eagerly_when(self, when) -> None:
         """Steps for which ``when(scheduled)`` holds run eagerly, never as a graph: for work inside the model that
         reads the step's requests (``context.batch``, which is None in a graph), such as prompt embeddings a
-        plugin replaces. Prompt steps replay graphs too (``runtime.prompt_graph_tokens``), so such a plugin
-        must say which steps carry its work."""
+        plugin replaces. Prompt steps and steps mixing prompts with decodes replay graphs too
+        (``runtime.prompt_graph_tokens``, ``runtime.mixed_graph_tokens``), so such a plugin must say which steps
+        carry its work."""
         self.runner.graphs.eager_when.append(when)
 
     def add_kv_layers(self, modules: list[nn.Module]) -> None:

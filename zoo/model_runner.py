@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from zoo import triton_attention
-from zoo.cuda_graphs import PROMPT_FAMILY, DecodeGraphs
+from zoo.cuda_graphs import MIXED_FAMILY, PROMPT_FAMILY, DecodeGraphs
 from zoo.description import ModelDescription
 from zoo.forward_context import ForwardContext, forward_context
 from zoo.kv_cache import KVCache
@@ -122,11 +122,13 @@ class ModelRunner:
             layout.every_row_gives_logits()
         max_query, num_blocks = layout.write(self.buffers, [e.request.block_ids for e in scheduled])
         if graph is None:
-            graph = self.graphs.prompt_key(layout, scheduled)
+            graph = self.graphs.prompt_key(layout, scheduled) or self.graphs.mixed_key(layout, scheduled)
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,
                           layout.logits_indices, graph=graph, prompt_logits_rows=layout.prompt_logits_rows)
         if graph is not None and graph[0] == PROMPT_FAMILY:
             self.graphs.pad_prompts(layout, graph[1])
+        elif graph is not None and graph[0] == MIXED_FAMILY:
+            self.graphs.pad_mixed(layout, graph[1])
         elif graph is None:
             unmasked = self.fresh_causal_path and not self.description.sliding_window
             split = unmasked and self.decode_kernel and layout.splittable

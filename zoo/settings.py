@@ -76,6 +76,7 @@ RUNTIME = {
     "attention_backend": Setting(str, choices=("auto", "sdpa", "triton")),
     "cuda_graphs": Setting(bool),
     "prompt_graph_tokens": Setting(int, 0),
+    "mixed_graph_tokens": Setting(int, 0),
     "fused_ops": Setting(bool),
     "enforce_eager": Setting(bool),
     "overlap_steps": Setting(bool),
