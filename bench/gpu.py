@@ -191,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpt-fast-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--gpt-fast-timeout", type=int, default=400)
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--runtime", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more runtime settings for zoo's engine (VALUE in JSON), e.g. "
+                        "mixed_graph_tokens=512")
     p.add_argument("--compare-overlap", action="store_true",
                    help="also time each decode batch and the offline run with runtime.overlap_steps flipped, in "
                         "the same process (host speed varies between processes)")
@@ -212,9 +215,11 @@ def main(argv=None) -> int:
         bandwidth = copy_bandwidth()
         record.update(weight_bytes=weight_bytes, copy_bandwidth_TBps=bandwidth / 1e12)
         print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+        runtime = {key: json.loads(value) for key, value in (kv.split("=", 1) for kv in args.runtime)}
+        record["zoo_runtime_overrides"] = runtime
         t_load, llm = timed(lambda: LLM(str(folder), dtype="bfloat16", max_num_seqs=256,
                                         max_num_batched_tokens=8192, max_model_len=2048,
-                                        gpu_memory_utilization=0.85, overlap_steps=True))
+                                        gpu_memory_utilization=0.85, overlap_steps=True, **runtime))
         engine = llm.engine
         record["zoo_startup_s"] = t_load
         record["zoo_kv_blocks"] = engine.num_blocks
