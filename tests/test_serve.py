@@ -368,6 +368,7 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
     ("+server.nosuch=1", "server.nosuch: no such setting"),
     ("server.max_body_bytes=0", "server.max_body_bytes=0: must be an integer >= 1"),
     ("server.hots=x", "server.hots: no such setting (did you mean server.host?)"),
+    ("server.engine_threads=0", "server.engine_threads=0: must be an integer >= 1"),
     ("runtime.tensor_parallel_size=0", "runtime.tensor_parallel_size=0: must be"),
 ])
 def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
@@ -375,6 +376,14 @@ def test_a_bad_server_setting_is_one_line_before_anything_loads(override, messag
                           timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(f"error: {message}")
     assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
+
+
+def test_the_engine_process_computes_on_the_cores_the_http_process_leaves():
+    from zoo.serve import engine_threads
+
+    assert engine_threads(None, 1, 2) == 1 and engine_threads(None, 1, 16) == 15
+    assert engine_threads(None, 2, 16) == 7 and engine_threads(None, 4, 2) == 1  # tensor-parallel ranks share them
+    assert engine_threads(3, 1, 2) == 3  # server.engine_threads as set
 
 
 def test_a_checkpoint_without_a_tokenizer_takes_token_ids_and_refuses_text(model_dir, tmp_path):

@@ -107,6 +107,7 @@ SERVE = {  # zoo.serve's own keys
     "server.max_waiting_requests": Setting(int, 1),
     "server.shutdown_timeout": Setting(int, 0),
     "server.allowed_media_dir": Setting(str, optional=True),
+    "server.engine_threads": Setting(int, 1, optional=True),
 }
 # Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
 TOP_LEVEL = {"model", "decoding", "runtime", "processor", "experiment", "prompt", "input", "output", "sampling",
