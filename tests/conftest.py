@@ -92,6 +92,18 @@ def prompt_set(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def arrivals_beside_decodes(engine, prompts, params) -> list:
+    """Requests arriving in groups while the ones before decode (two steps apart), so that steps mix decodes with
+    whole prompts and, after prompt_set's shared prefix, chunks; returns them in order once all are done."""
+    requests = []
+    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):
+        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
+        engine.step()
+        engine.step()
+    engine.run_until_done()
+    return requests
+
+
 class StepRecorder:
     """A plugin that keeps ``see(batch)`` for every step the engine prepares."""
 

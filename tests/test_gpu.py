@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import StepRecorder, hf_greedy, prompt_set
+from conftest import StepRecorder, arrivals_beside_decodes, hf_greedy, prompt_set
 from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
 from test_qwen2_vl import qwen2_vl  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
@@ -126,18 +126,6 @@ def test_bfloat16_prompt_graphs_part_from_eager_prompts_only_at_near_ties(checkp
     near_ties = tokens_part_only_at_near_ties(runs[2048], runs[0])
     print(f"prompt graphs in bf16: {near_ties} of {len(prompts)} requests parted at a near-tie")
     assert near_ties <= len(prompts) // 2
-
-
-def arrivals_beside_decodes(engine, prompts, params) -> list:
-    """Requests arriving in groups while the ones before decode, so that steps mix decodes with prompts (and,
-    after the shared prefix, chunks); returns them in order once all are done."""
-    requests = []
-    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):
-        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
-        engine.step()
-        engine.step()
-    engine.run_until_done()
-    return requests
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ZOO_MODEL_OPTION, hf_greedy, prompt_set
+from conftest import ZOO_MODEL_OPTION, arrivals_beside_decodes, hf_greedy, prompt_set
 from zoo import LLM, SamplingParams
 from zoo.cuda_graphs import MIXED_FAMILY, PROMPT_FAMILY, token_buckets
 
@@ -78,12 +78,7 @@ def test_mixed_steps_replayed_as_graphs_give_transformers_tokens(checkpoints, na
                         or original(scheduled))
     prompts = prompt_set()
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
-    requests = []
-    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):  # each arrives beside decoding ones
-        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
-        engine.step()
-        engine.step()
-    engine.run_until_done()
+    requests = arrivals_beside_decodes(engine, prompts, params)
     assert [False, True] in kinds  # steps with decodes and prompt tokens together
     assert graphs.replays.get(MIXED_FAMILY, 0) >= 3 and graphs.replays.get("decode", 0) >= 3
     for i, (request, prompt) in enumerate(zip(requests, prompts)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, ZOO_MODEL_OPTION, hf_greedy, prompt_set
+from conftest import TINY_CONFIGS, ZOO_MODEL_OPTION, arrivals_beside_decodes, hf_greedy, prompt_set
 from zoo import LLM, SamplingParams, hookimpl
 
 MAX_NEW = 12
@@ -128,12 +128,7 @@ def test_steps_mixing_decodes_prompts_and_chunks_match_transformers(checkpoints,
     original = engine.runner.attention_metadata
     engine.runner.attention_metadata = lambda *a, **k: metas.append(original(*a, **k)) or metas[-1]
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
-    requests = []
-    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):  # each arrives beside decoding ones
-        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
-        engine.step()
-        engine.step()
-    engine.run_until_done()
+    requests = arrivals_beside_decodes(engine, prompts, params)
     mixed = [m.split for m in metas if m.split is not None]
     assert sum(s.decode_rows is not None and s.prompt_rows is not None for s in mixed) >= 1
     if token_budget < 33:
@@ -182,12 +177,7 @@ def test_ragged_prompts_and_chunks_match_transformers(checkpoints, references, n
 
     engine.runner.attention_metadata = recorded
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
-    requests = []
-    for group in (prompts[:1], prompts[1:3], prompts[3:5], prompts[5:]):
-        requests += [engine.add_request(prompt_token_ids=prompt, params=params) for prompt in group]
-        engine.step()
-        engine.step()
-    engine.run_until_done()
+    requests = arrivals_beside_decodes(engine, prompts, params)
     ragged = [s.ragged for s in splits if s is not None and s.ragged is not None]
     assert any(len(r.cu_queries) > 2 for r in ragged)  # several sequences in one call
     assert any(int(r.cu_keys[-1]) > int(r.cu_queries[-1]) for r in ragged)  # chunks after cached tokens
