@@ -220,6 +220,9 @@ def main() -> int:
     p.add_argument("--offline-rounds", type=int, default=3,
                    help="LLM.generate runs of the workload; the ratio is to their median (one run of 16k tokens "
                         "varied by 1.6x between device calls)")
+    p.add_argument("--offline-threads", type=int, default=None,
+                   help="compute threads of LLM.generate (default: torch's, all the cores); the server's engine "
+                        "computes on the cores less one (server.engine_threads)")
     p.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
     p.add_argument("--py-spy", default=None, metavar="FILE",
                    help="sample the engine process with py-spy during the widest level; collapsed stacks to FILE")
@@ -283,6 +286,10 @@ def main() -> int:
     from zoo import LLM, SamplingParams
 
     runtime = {key: json_or_text(value) for key, value in (kv.split("=", 1) for kv in args.runtime)}
+    if args.offline_threads:
+        import torch
+
+        torch.set_num_threads(args.offline_threads)
     llm = LLM(args.model, max_num_seqs=max(args.concurrency), **runtime)
     params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up
@@ -292,8 +299,11 @@ def main() -> int:
         outs = llm.generate(prompts, params)
         runs.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
     offline = statistics.median(runs)
+    import torch
+
     print(f"LLM.generate, the {len(prompts)} requests of the widest level at once (max_num_seqs "
-          f"{max(args.concurrency)}): {offline:.0f} output tok/s, the median of "
+          f"{max(args.concurrency)}, {torch.get_num_threads()} compute threads): {offline:.0f} output tok/s, "
+          "the median of "
           + ", ".join(f"{r:.0f}" for r in runs))
     for r in levels:
         r["ratio_to_offline"] = r["output_tok_s"] / offline
@@ -301,6 +311,7 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "levels": levels, "offline_output_tok_s": offline,
+                       "offline_threads": torch.get_num_threads(),
                        "offline_runs_tok_s": runs}, f, indent=1)
     return 0
 
