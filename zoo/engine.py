@@ -272,16 +272,19 @@ class Engine:
         if self.scheduler.waiting and self.scheduler.admits_waiting():
             return None
         entries, rows, new_blocks = [], [], []
+        max_model_len, block_size = self.max_model_len, self.block_size
         for row, entry in enumerate(pending.batch.scheduled):
             request = entry.request
+            num_tokens = request.num_tokens  # pending's token not yet among them: the next step writes it
             if (request.is_finished or len(request.output_token_ids) + 1 >= request.params.max_new_tokens
-                    or request.num_tokens + 1 >= self.max_model_len):
+                    or num_tokens + 1 >= max_model_len):
                 continue  # ends with pending's token
             held = len(request.block_ids)
-            if not self.blocks.ensure_slots(request, request.num_tokens + 1):
-                return None
-            new_blocks += [(row, col, request.block_ids[col]) for col in range(held, len(request.block_ids))]
-            entries.append(ScheduledRequest(request, request.num_tokens, 1, token_on_device=True))
+            if held * block_size <= num_tokens:  # its slot starts a block
+                if not self.blocks.ensure_slots(request, num_tokens + 1):
+                    return None
+                new_blocks += [(row, col, request.block_ids[col]) for col in range(held, len(request.block_ids))]
+            entries.append(ScheduledRequest(request, num_tokens, 1, token_on_device=True))
             rows.append(row)
         if not entries:
             return None

@@ -146,21 +146,23 @@ class EngineLoop:
                 self._abort(ident)
             return
         now, count, finished = time.monotonic(), 0, {}
+        streams = self.streamed if self.conn is not None else ()
         for request, tokens in stepped:
             count += len(tokens)
-            owner = self.owner.get(request.group.request_id)
+            group = request.group
+            owner = self.owner.get(group.request_id)
             if owner is None:
                 continue
             ident, index = owner
-            if (tokens and ident in self.streamed and not request.error and not request.beam_hypotheses
-                    and self.conn is not None):
+            done = request.is_finished
+            if tokens and ident in streams and not request.error and not request.beam_hypotheses:
                 # tokens, and the text only once it is final (cut at a stop string): the HTTP process decodes the
                 # rest, so that detokenizing (15% of this process at concurrency 64 on the H200,
                 # h200_round4/engine_spy_call6.txt) runs beside the steps
-                final = request.output_text if request.is_finished else None
-                self.outbox.append((ident, ("delta", index, request.sample_index, tokens, final)))
-            if request.group_finished:  # after every sample's last delta of this step (n > 1 finish together)
-                finished[request.group.request_id] = request.group
+                self.outbox.append((ident, ("delta", index, request.sample_index, tokens,
+                                            request.output_text if done else None)))
+            if done and request.group_finished:  # after every sample's last delta of this step (n > 1 together)
+                finished[group.request_id] = group
         for group in finished.values():
             self._finish(group)
         self.recent.append((now, count))
