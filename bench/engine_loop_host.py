@@ -37,14 +37,15 @@ class LoadPipe:
     """The HTTP process's end of the pipe: ``concurrency`` streaming submissions in flight at all times."""
 
     def __init__(self, prompts, max_tokens: int, concurrency: int):
-        self.prompts, self.max_tokens = prompts, max_tokens
+        self.prompts, self.max_tokens = prompts, max_tokens  # (text, its token ids), as the HTTP process sends them
         self.inbox = [self._submission(i) for i in range(concurrency)]
         self.next_ident = concurrency
         self.finished = self.deltas = 0
 
     def _submission(self, ident: int) -> tuple:
-        prompt = self.prompts[ident % len(self.prompts)]
-        return ("add", ident, [({"prompt": prompt}, {"max_new_tokens": self.max_tokens, "ignore_eos": True})], True)
+        text, ids = self.prompts[ident % len(self.prompts)]
+        return ("add", ident, [({"prompt": text, "prompt_ids": ids},
+                                {"max_new_tokens": self.max_tokens, "ignore_eos": True})], True)
 
     def poll(self, timeout=None) -> bool:
         return bool(self.inbox)
@@ -94,7 +95,8 @@ def main() -> int:
     runner.run = lambda batch: StepOutput(logits[:len(batch.logits_indices)], hidden, {},
                                           argmax[:len(batch.logits_indices)])
     rng = random.Random(0)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) for _ in range(256)]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) for _ in range(256)]
+    prompts = [(text, llm.tokenizer.encode(text)) for text in texts]
 
     def run_round(steps: int) -> tuple[float, LoadPipe]:
         pipe = LoadPipe(prompts, args.max_tokens, args.concurrency)

@@ -496,6 +496,7 @@ class Server:
             if len(ids) > self.max_prompt:
                 raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt}",
                                param="prompt", code="context_length_exceeded")
+            item["prompt_ids"] = ids  # the engine process, the busier one, need not encode the text again
             if adapter is not None:
                 item["adapter"] = adapter
             if images:
