@@ -35,10 +35,11 @@ from gpu import write_checkpoint  # noqa: E402
 # the mask (fresh); the graph's argmax as two Triton launches instead of torch's (argmax); programmatic dependent
 # launch of the Triton kernels (pdl); the layers' projections through the weight-streaming kernel up to
 # proj_rows rows; rotary with the cache write and SiLU-and-mul in the epilogues of those products (fold), and the
-# RMSNorms before them inside them (fold_norms).
+# RMSNorms before them inside them (fold_norms); an overlapped step's inputs advanced by one kernel (advance).
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
-BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, fold_norms=False)
+BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, fold_norms=False,
+            advance=False)
 VARIANTS = {
     "main": dict(BASE, lanes=False, gemv_rows=0, fresh=False),
     "round5": BASE,
@@ -49,6 +50,7 @@ VARIANTS = {
     "new": dict(BASE, argmax=True, pdl=True, proj_rows=1),
     "fold": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True),
     "fold_norms": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True, fold_norms=True),
+    "fold_advance": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True, advance=True),
 }
 TRITON_ARGMAX = None
 
@@ -65,6 +67,7 @@ def apply(variant: dict) -> None:
     fused_ops.PROJECTION_GEMV_MAX_ROWS = variant["proj_rows"]
     fused_ops.FOLD_INTO_PROJECTIONS = variant["fold"]
     fused_ops.FOLD_NORMS = variant["fold_norms"]
+    fused_ops.ADVANCE_KERNEL = variant["advance"]
 
 
 def main() -> int:

@@ -235,10 +235,10 @@ def test_no_programmatic_dependent_launch_off_hopper():
     ("llama", 64, True, True), ("qwen2", 64, True, True)])
 def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, fold_norms,
                                                    monkeypatch):
-    """Whole forward passes (prefill in chunks, then decode) with every fused kernel on; with projection_rows, the
-    layers' projections of steps up to that many tokens run the weight-streaming kernel too, and with fold,
-    rotary with the cache write and SiLU-and-mul run in those products' epilogues, and with fold_norms the RMSNorms
-    before them inside them."""
+    """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
+    with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
+    the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
+    products' epilogues, and with fold_norms the RMSNorms before them inside them."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "FOLD_NORMS", fold_norms)
@@ -255,6 +255,32 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, prompt, 6)[0]
+    assert llm.engine.advanced_in_place > 0  # overlapped steps' inputs advanced by fused_ops.advance_decode_rows
     folds_ran = fold and projection_rows > 0
     assert {kernel for kernel, _ in calls} == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set())
     assert any(normed for _, normed in calls) is (folds_ran and fold_norms)
+
+
+@pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])
+def test_advance_decode_rows_is_the_runners_torch_ops(position_rows, windowed):
+    """An overlapped decode step's inputs advanced on the device: the kernel against ModelRunner's PyTorch ops,
+    over more rows than one program takes, with a block boundary crossed by some rows."""
+    from zoo.model_runner import advance_rows
+
+    g = torch.Generator().manual_seed(position_rows)
+    tokens, seqs, width, bs, n = 300, 200, 12, 16, 150
+
+    def ints(*shape, high=100):
+        return torch.randint(0, high, shape, generator=g).to(DEVICE)
+
+    buffers = {"positions": ints(position_rows, tokens), "token_cache_index": ints(tokens, high=bs * width - 1),
+               "context_lens": ints(seqs), "draft_start": ints(seqs), "query_cache_index": ints(seqs, tokens),
+               "block_tables": ints(seqs, width, high=5000), "slot_mapping": ints(tokens)}
+    if windowed:
+        buffers["query_index_in_sequence"] = ints(seqs, tokens)
+    buffers["token_cache_index"][:10] = bs - 1  # their next index starts a block
+    expected = {name: value.clone() for name, value in buffers.items()}
+    advance_rows(expected, n, bs)
+    fused_ops.advance_decode_rows(buffers, n, bs)
+    for name in buffers:
+        assert torch.equal(buffers[name], expected[name]), name

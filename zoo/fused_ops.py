@@ -58,6 +58,11 @@ FOLD_INTO_PROJECTIONS = True
 # lost 0.66x on the H200; this one sums the squares while it streams. `bench/profile_gpu_step.py --variants
 # fold fold_norms` decides.
 FOLD_NORMS = False
+# Whether an overlapped decode step's inputs advance in one kernel (``advance_decode_rows``) instead of about ten
+# PyTorch ops, each a launch the host pays for in every step. The same integers either way (checked on CPU in
+# Triton's interpreter); its effect on the GPU host is not yet measured (`bench/profile_gpu_step.py --variants
+# fold fold_advance`).
+ADVANCE_KERNEL = True
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -324,6 +329,49 @@ if triton is not None:
         values = tl.load(Values + row * chunks + offs, mask=valid, other=float("-inf"))
         indices = tl.load(Indices + row * chunks + offs, mask=valid, other=n)
         tl.store(Out + row, _first_max(values, indices, n)[1].to(tl.int64))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _advance_decode_kernel(Positions, stride_p, CacheIndex, ContextLens, DraftStart, QueryCacheIndex, stride_q,
+                               IndexInSequence, stride_i, BlockTables, stride_b, SlotMapping, n, block_size,
+                               POSITION_ROWS: tl.constexpr, HAS_INDEX_IN_SEQUENCE: tl.constexpr,
+                               BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < n
+        for p in tl.static_range(POSITION_ROWS):
+            tl.store(Positions + p * stride_p + rows, tl.load(Positions + p * stride_p + rows, mask=ok) + 1, mask=ok)
+        index = tl.load(CacheIndex + rows, mask=ok, other=0) + 1
+        tl.store(CacheIndex + rows, index, mask=ok)
+        tl.store(ContextLens + rows, tl.load(ContextLens + rows, mask=ok) + 1, mask=ok)
+        tl.store(DraftStart + rows, tl.load(DraftStart + rows, mask=ok) + 1, mask=ok)
+        tl.store(QueryCacheIndex + rows * stride_q, tl.load(QueryCacheIndex + rows * stride_q, mask=ok) + 1, mask=ok)
+        if HAS_INDEX_IN_SEQUENCE:
+            tl.store(IndexInSequence + rows * stride_i, tl.load(IndexInSequence + rows * stride_i, mask=ok) + 1,
+                     mask=ok)
+        block = tl.load(BlockTables + rows * stride_b + index // block_size, mask=ok, other=0)
+        tl.store(SlotMapping + rows, block * block_size + index % block_size, mask=ok)
+
+
+ADVANCE_BLOCK = 128
+
+
+def advance_decode_rows(buffers: dict[str, torch.Tensor], n: int, block_size: int) -> None:
+    """What ``ModelRunner.advance_decode`` does to its first ``n`` rows in about ten PyTorch ops, in one launch:
+    the positions, cache indices, context lengths, draft starts and query cache indices one further, and each
+    row's slot looked up in its block table at its new cache index. Each op of those costs the host a launch
+    in every overlapped step, the steps of a busy server included."""
+    positions, index_in_sequence = buffers["positions"], buffers.get("query_index_in_sequence")
+    query_cache_index, block_tables = buffers["query_cache_index"], buffers["block_tables"]
+    _advance_decode_kernel[(triton.cdiv(n, ADVANCE_BLOCK),)](
+        positions, positions.stride(0), buffers["token_cache_index"], buffers["context_lens"],
+        buffers["draft_start"], query_cache_index, query_cache_index.stride(0),
+        query_cache_index if index_in_sequence is None else index_in_sequence,
+        0 if index_in_sequence is None else index_in_sequence.stride(0),
+        block_tables, block_tables.stride(0), buffers["slot_mapping"], n, block_size,
+        POSITION_ROWS=positions.shape[0], HAS_INDEX_IN_SEQUENCE=index_in_sequence is not None,
+        BLOCK=ADVANCE_BLOCK)
 
 
 # Logits one program of the argmax reads: a 128k vocabulary is 32 programs per row.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zoo import triton_attention
+from zoo import fused_ops, triton_attention
 from zoo.cuda_graphs import MIXED_FAMILY, PROMPT_FAMILY, DecodeGraphs
 from zoo.description import ModelDescription
 from zoo.forward_context import ForwardContext, forward_context
@@ -26,6 +26,21 @@ from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
 from zoo.step import BufferSpec, StepBatch, StepOutput
 from zoo.step_inputs import StepLayout, int64_tensor
+
+
+def advance_rows(buffers: dict[str, torch.Tensor], n: int, block_size: int) -> None:
+    """Rows ``0..n-1`` of a decode step's buffers, one token further: positions, cache indices, context lengths,
+    draft starts and query cache indices plus one, and each row's slot looked up in its block table at its new
+    cache index (row i is sequence i). ``fused_ops.advance_decode_rows`` does the same in one launch."""
+    buffers["positions"][:, :n] += 1
+    for name in ("token_cache_index", "context_lens", "draft_start"):
+        buffers[name][:n] += 1
+    buffers["query_cache_index"][:n, 0] += 1
+    if "query_index_in_sequence" in buffers:
+        buffers["query_index_in_sequence"][:n, 0] += 1
+    index = buffers["token_cache_index"][:n]
+    buffers["slot_mapping"][:n] = (buffers["block_tables"][:n].gather(1, (index // block_size)[:, None])[:, 0]
+                                   * block_size + index % block_size)
 
 
 @dataclass(frozen=True)
@@ -154,14 +169,8 @@ class ModelRunner:
             table = int64_tensor([v for entry in new_blocks for v in entry]).to(self.device, non_blocking=True)
             table = table.view(-1, 3)
             buf["block_tables"][table[:, 0], table[:, 1]] = table[:, 2]
-        buf["positions"][:, :n] += 1
-        for name in ("token_cache_index", "context_lens", "draft_start"):
-            buf[name][:n] += 1
-        buf["query_cache_index"][:n, 0] += 1
-        if "query_index_in_sequence" in buf:
-            buf["query_index_in_sequence"][:n, 0] += 1
-        index = buf["token_cache_index"][:n]
-        buf["slot_mapping"][:n] = buf["block_tables"][:n].gather(1, (index // bs)[:, None])[:, 0] * bs + index % bs
+        advance = fused_ops.advance_decode_rows if self.model.fused and fused_ops.ADVANCE_KERNEL else advance_rows
+        advance(buf, n, bs)
         step = StepBatch(scheduled, n, batch.token_offsets, batch.logits_rows, batch.logits_indices,
                          graph=batch.graph)
         if step.graph is None:
