@@ -4,7 +4,9 @@
 
 Each timing replays a CUDA graph of 20 calls, as decode steps do, so launch costs stay out of it; figures are
 microseconds per call and the weight bytes read per second. ``--sweep`` first tries tile configurations at 1
-and 16 rows and prints the best per shape (the values for fused_ops.GEMV_CONFIGS).
+and 16 rows and prints the best per shape (the values for fused_ops.GEMV_CONFIGS), then, at 1 row, tiles
+narrower than tensor cores take (4 or 8 columns, products summed in float32: fused_ops.GEMV_ONE_ROW_CONFIGS)
+against the best of those.
 """
 
 from __future__ import annotations
@@ -57,6 +59,27 @@ def main() -> int:
                 cublas = graph_time(lambda: torch.nn.functional.linear(x, w))
                 say(f"| {name} {tuple(w.shape)} | {rows} | {best[1]} | {best[0]:.2f} | {cublas:.2f} |")
         fused_ops.GEMV_CONFIGS = chosen
+        say("")
+        say("One row, tiles narrower than tensor cores take (fused_ops.GEMV_ONE_ROW_CONFIGS):")
+        say("| shape | best narrow (BLOCK_N, BLOCK_K, stages, warps) | us | TB/s | GEMV_CONFIGS' tile us | cuBLAS us |")
+        say("|---|---|---|---|---|---|")
+        narrow = list(itertools.product((4, 8), (256, 512, 1024), (2, 3), (2, 4)))
+        for name, w in weights.items():
+            x = torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            wide = graph_time(lambda: fused_ops.linear(x, w))
+            results = []
+            for config in narrow:
+                fused_ops.GEMV_ONE_ROW_CONFIGS = {1 << 62: config}
+                try:
+                    results.append((graph_time(lambda: fused_ops.linear(x, w)), config))
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit shared memory or registers
+                    say(f"  {name} {config}: {type(exc).__name__}")
+            fused_ops.GEMV_ONE_ROW_CONFIGS = {}
+            best = min(results)
+            cublas = graph_time(lambda: torch.nn.functional.linear(x, w))
+            nbytes = w.numel() * w.element_size()
+            say(f"| {name} {tuple(w.shape)} | {best[1]} | {best[0]:.2f} | {nbytes / best[0] / 1e6:.2f} | {wide:.2f} "
+                f"| {cublas:.2f} |")
     fused_ops.GEMV_MAX_ROWS = max(ROWS)
     say(f"configs {fused_ops.GEMV_CONFIGS}")
     say("| shape | rows | kernel us | kernel TB/s | cuBLAS us | cuBLAS TB/s | cuBLAS / kernel |")

@@ -284,3 +284,55 @@ def test_advance_decode_rows_is_the_runners_torch_ops(position_rows, windowed):
     fused_ops.advance_decode_rows(buffers, n, bs)
     for name in buffers:
         assert torch.equal(buffers[name], expected[name]), name
+
+
+NARROW_ONE_ROW = {1 << 62: (8, 64, 2, 4)}  # a tile under tensor cores' 16 columns: products summed in float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_row_tiles_narrower_than_tensor_cores_give_the_same_products(dtype, monkeypatch):
+    """fused_ops.GEMV_ONE_ROW_CONFIGS: at one row a tile of 8 columns, without tl.dot, for the plain product, the
+    gate/up product with SiLU and the q/k/v product with rotary and the cache write; more rows keep the tensor
+    core tiles."""
+    monkeypatch.setattr(fused_ops, "GEMV_ONE_ROW_CONFIGS", NARROW_ONE_ROW)
+    assert fused_ops.row_tile(1, fused_ops.gemv_config(70, 1)[0]) == dict(BLOCK_M=1, DOT=False)
+    assert fused_ops.gemv_config(70, 2) == fused_ops.gemv_config(70)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 300, generator=g).to(DEVICE, dtype)
+    weight = torch.randn(70, 300, generator=g).to(DEVICE, dtype) / 10
+    b = torch.randn(70, generator=g).to(DEVICE, dtype)
+    torch.testing.assert_close(fused_ops.linear(x, weight, b), F.linear(x, weight, b), **tolerance(dtype))
+    gate_up = torch.randn(2 * 36, 300, generator=g).to(DEVICE, dtype) / 10
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.gate_up_silu(x, gate_up, None)[0], F.silu(gate) * up, **tolerance(dtype))
+    heads, kv_heads, head_dim, hidden = 4, 2, 16, 300
+    qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g).to(DEVICE, dtype) / 10
+    desc = ModelDescription("x", 50, heads * head_dim, 1, heads, kv_heads, 64, rope_theta=1000.0)
+    cos, sin = (t[:, 0] for t in Rotary(desc).to(DEVICE).prepare(torch.tensor([[9]], device=DEVICE), dtype))
+    cache = torch.zeros(2, 4, 4, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    slots = torch.tensor([6], device=DEVICE)
+    expected_cache = cache.clone()
+    q, k, v = F.linear(x, qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    expected_q = fused_ops.rope_and_write_cache(q.reshape(1, heads, head_dim), k.reshape(1, kv_heads, head_dim),
+                                                v.reshape(1, kv_heads, head_dim), cos, sin, expected_cache[0],
+                                                expected_cache[1], slots)
+    out, _ = fused_ops.qkv_rope_and_write_cache(x, qkv, None, cos, sin, cache[0], cache[1], slots, heads, kv_heads)
+    torch.testing.assert_close(out, expected_q, **tolerance(dtype))
+    torch.testing.assert_close(cache, expected_cache, **tolerance(dtype))
+
+
+def test_a_model_on_one_row_narrow_tiles_matches_transformers(checkpoints, monkeypatch):
+    """One request decoding alone: its projections (folded ones too) and LM head at one row on the narrow tiles."""
+    monkeypatch.setattr(fused_ops, "GEMV_ONE_ROW_CONFIGS", NARROW_ONE_ROW)
+    monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", 4)
+    folder, model = checkpoints["llama"]
+    llm = LLM(str(folder), max_num_batched_tokens=16)
+    llm.engine.model.use_fused_ops(True)
+    narrow = []
+    original = fused_ops.row_tile
+    monkeypatch.setattr(fused_ops, "row_tile", lambda rows, block_n: narrow.append(block_n < 16) or
+                        original(rows, block_n))
+    prompt = prompt_set()[1]
+    assert llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids == \
+        hf_greedy(model, prompt, 6)[0]
+    assert any(narrow)

@@ -66,6 +66,12 @@ ADVANCE_KERNEL = True
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
+# Tiles for a step of one row, by output width, where they differ from those above. A BLOCK_N under 16 streams
+# without tensor cores (tl.dot takes 16 columns at least; the products are summed in float32), so that a narrow
+# matrix spreads over more programs: at one row, the o and q/k/v products streamed at 42% and 58% of the copy
+# bandwidth on the H200, the down product at 66%, gate/up at 89% (bench/results/gpu/round2/gemv.txt). Empty
+# until `bench/gemv_kernel.py --sweep` shows a narrow tile winning.
+GEMV_ONE_ROW_CONFIGS: dict[int, tuple] = {}
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
@@ -76,8 +82,22 @@ GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128,
 EXACT_ROUNDING = {"enable_fp_fusion": False}
 
 
-def gemv_config(n: int) -> tuple:
+def gemv_config(n: int, rows: int | None = None) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_stages, num_warps) for an output ``n`` wide: at one row GEMV_ONE_ROW_CONFIGS' where
+    it has a width that covers ``n``, else GEMV_CONFIGS'."""
+    if rows == 1:
+        one_row = next((config for width, config in sorted(GEMV_ONE_ROW_CONFIGS.items()) if n <= width), None)
+        if one_row is not None:
+            return one_row
     return next(config for width, config in sorted(GEMV_CONFIGS.items()) if n <= width)
+
+
+def row_tile(rows: int, block_n: int) -> dict:
+    """BLOCK_M and DOT of a product's tile ``block_n`` columns wide: tensor cores (tl.dot) take 16 rows and 16
+    columns at least; a narrower tile multiplies and sums in float32 over the step's rows alone."""
+    if block_n >= 16:
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), DOT=True)
+    return dict(BLOCK_M=triton.next_power_of_2(rows), DOT=False)
 
 
 if triton is not None:
@@ -167,8 +187,8 @@ if triton is not None:
     @triton.jit
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
                         Residual, NormWeight, Summed, stride_r, stride_s, eps, store_summed,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32.
         # With NORM, x is first RMSNorm(x + residual) * weight, applied on the fly (see PendingNorm); a program
         # with store_summed writes x + residual.
@@ -190,7 +210,9 @@ if triton is not None:
                 xf = x.to(tl.float32)
                 squares += tl.sum(xf * xf, 1)
                 x = (xf * tl.load(NormWeight + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
-            if IEEE:  # float32 models: no TF32 rounding of the operands
+            if not DOT:  # a tile narrower than tensor cores take (see row_tile)
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            elif IEEE:  # float32 models: no TF32 rounding of the operands
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
@@ -200,7 +222,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
-                     HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,7 +233,7 @@ if triton is not None:
         # 512 columns, 19% slower for all of them (profile_pdl_ab.txt), so the wait comes first.
         wait_for_previous_kernel(PDL)
         acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
-                              X, X, X, 0, 0, 0.0, False, False, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                              X, X, X, 0, 0, 0.0, False, False, False, IEEE, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
@@ -221,7 +243,8 @@ if triton is not None:
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
                         Residual, NormWeight, Summed, stride_r, stride_s, eps,
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr):
+                        IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, PAIR: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
         i = tl.arange(0, 2 * PAIR)
@@ -230,7 +253,7 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
                               Residual, NormWeight, Summed, stride_r, stride_s, eps, tl.program_id(0) == 0,
-                              NORM, HAS_RESIDUAL, IEEE, BLOCK_M, 2 * PAIR, BLOCK_K)
+                              NORM, HAS_RESIDUAL, IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -240,14 +263,14 @@ if triton is not None:
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
                              Residual, NormWeight, Summed, stride_r, stride_s, eps,
                              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
         wait_for_previous_kernel(PDL)
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
                                    Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                                   NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
+                                   NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -262,7 +285,7 @@ if triton is not None:
                                Residual, NormWeight, Summed, stride_r, stride_s, eps,
                                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                               HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                               HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
@@ -273,7 +296,7 @@ if triton is not None:
         wait_for_previous_kernel(PDL)
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
                                  rows, k, stride_x, stride_w, Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                                 NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, BLOCK_M, PAIR, BLOCK_K)
+                                 NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -398,12 +421,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tenso
     rows = x.shape[0]
     n, k = weight.shape
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
-    block_n, block_k, stages, warps = gemv_config(n)
+    block_n, block_k, stages, warps = gemv_config(n, rows)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
-        IEEE=weight.dtype == torch.float32,
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=weight.dtype == torch.float32, **row_tile(rows, block_n), BLOCK_N=block_n, BLOCK_K=block_k,
         num_stages=stages, num_warps=warps, **pdl_options(x.device))
     return out
 
@@ -421,8 +443,8 @@ def _gemv_shared_memory_fits(rows: int, weight: torch.Tensor) -> bool:
     # Each pipeline stage holds a tile of x and one of W: wide row counts on wide tiles overflow shared memory.
     if weight.device.type != "cuda":
         return True
-    block_n, block_k, stages, _ = gemv_config(weight.shape[0])
-    needed = stages * (max(16, triton.next_power_of_2(rows)) + block_n) * block_k * weight.element_size()
+    block_n, block_k, stages, _ = gemv_config(weight.shape[0], rows)
+    needed = stages * (row_tile(rows, block_n)["BLOCK_M"] + block_n) * block_k * weight.element_size()
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
     return needed <= _shared_memory_limit(index)
 
@@ -484,10 +506,10 @@ def _norm_launch(x: torch.Tensor, norm: PendingNorm | None) -> tuple[dict, torch
 
 def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int) -> dict:
     # The tile of the plain kernel for this weight, cut into two runs of PAIR rows.
-    block_n, block_k, stages, warps = gemv_config(weight.shape[0])
-    return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
-                BLOCK_M=max(16, triton.next_power_of_2(x.shape[0])), PAIR=min(block_n // 2, pair_limit),
-                BLOCK_K=block_k, num_stages=stages, num_warps=warps, **pdl_options(x.device))
+    block_n, block_k, stages, warps = gemv_config(weight.shape[0], x.shape[0])
+    pair = min(block_n // 2, pair_limit)
+    return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32, **row_tile(x.shape[0], 2 * pair),
+                PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, **pdl_options(x.device))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
