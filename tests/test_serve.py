@@ -547,6 +547,31 @@ def test_the_engine_loop_sends_tokens_only_for_streams(local):
     assert not loop.streamed and not loop.requests_of and not deltas.state
 
 
+def test_the_engine_loop_takes_a_text_prompts_ids_as_the_http_process_sent_them(local, monkeypatch):
+    """The HTTP process encodes every text prompt for its length check and sends the ids with the text: the
+    engine process, the busier one, does not encode it again, and the output is the text prompt's."""
+    from zoo.serve import EngineLoop
+
+    prompt = "def main():"
+    ids = local.tokenizer.encode(prompt)
+    values = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    expected = local.generate([prompt], SamplingParams(**values))[0]
+
+    def refuse(text):
+        raise AssertionError(f"the engine encoded {text!r} again")
+
+    monkeypatch.setattr(local.engine.tokenizer, "encode", refuse)
+    loop = EngineLoop(local, conn=object())
+    loop._handle(("add", 1, [({"prompt": prompt, "prompt_ids": ids}, values)], False))
+    events = []
+    while local.engine.has_work():
+        loop._step()
+        events += loop.outbox
+        loop.outbox = []
+    (output,) = [e[2] for _, e in events if e[0] == "finished"]
+    assert output.token_ids == expected.token_ids and output.text == expected.text
+
+
 def test_a_stream_never_shows_text_a_stop_string_cuts(served, local):
     """A stream holds back what may start a stop string: the streamed text equals the cut output."""
     client = served.client()
