@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ZOO_MODEL_OPTION, arrivals_beside_decodes, hf_greedy, prompt_set
+from test_qwen2_vl import qwen2_vl  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
 from zoo.cuda_graphs import MIXED_FAMILY, PROMPT_FAMILY, token_buckets
 
@@ -49,7 +50,11 @@ def engine_with_graphs(folder, option, monkeypatch, mixed_tokens=64, replays=Tru
     """An engine whose graphs are captured as on CUDA; ``replays`` False: for steps that are prepared, never
     run. max_model_len 64: the graphs' full-width block tables are then one split of the kernel (the
     interpreter runs every program)."""
-    llm = LLM(str(folder), model=option, block_size=16, max_model_len=64, **runtime)
+    return llm_with_graphs(folder, option, monkeypatch, mixed_tokens, replays, **runtime).engine
+
+
+def llm_with_graphs(folder, option, monkeypatch, mixed_tokens=64, replays=True, **runtime):
+    llm = LLM(str(folder), model=option, block_size=16, **{"max_model_len": 64, **runtime})
     engine = llm.engine
     runner = engine.runner
     runner.decode_kernel = True  # as on CUDA (the interpreter runs it)
@@ -58,7 +63,7 @@ def engine_with_graphs(folder, option, monkeypatch, mixed_tokens=64, replays=Tru
     # An overlapped step's tokens stay in the graph's outputs until the next replay overwrites them; on CUDA they
     # are copied out first, in stream order, which nothing stands in for here.
     engine.overlap_steps = False
-    return engine
+    return llm
 
 
 # 24: prompts split into chunks after cached tokens
@@ -159,3 +164,36 @@ def test_mixed_buckets_follow_the_setting_the_token_budget_and_the_decode_kernel
     assert graphs.mixed_buckets(0) == []
     assert token_buckets(1300) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1300]
     assert PROMPT_FAMILY != MIXED_FAMILY
+
+
+def test_mrope_positions_replay_mixed_graphs_and_image_prompts_stay_eager(qwen2_vl, tmp_path, monkeypatch):  # noqa: F811
+    """Qwen2-VL: three rows of positions (mRoPE) in the graphs' buffers; a step computing an image prompt's
+    tokens runs eagerly (its features are spliced into the embeddings from the step's requests). Requests arrive
+    while others decode, their prompts cut into chunks; transformers' tokens for text and image requests."""
+    from test_qwen2_vl import requests_and_references
+
+    folder, _ = qwen2_vl
+    requests, references = requests_and_references(qwen2_vl, tmp_path, n=6)
+    llm = llm_with_graphs(folder, "qwen2_vl", monkeypatch, max_num_batched_tokens=16, max_num_seqs=8,
+                          max_model_len=128)
+    graphs, runner = llm.engine.runner.graphs, llm.engine.runner
+    keys = []
+    original = runner.prepare
+
+    def recorded(scheduled):
+        batch = original(scheduled)
+        images = any("images" in e.request.extras and e.start < len(e.request.prompt_token_ids) for e in scheduled)
+        keys.append((images, batch.graph))
+        return batch
+
+    monkeypatch.setattr(runner, "prepare", recorded)
+    params, added = SamplingParams(max_new_tokens=6, ignore_eos=True), []
+    for group in ([0], [1, 2], [3, 4]):  # each arrives while the ones before decode
+        added += [llm._add(requests[i], params, i) for i in group]
+        llm.engine.step()
+        llm.engine.step()
+    llm.engine.run_until_done()
+    for i, (request, (ref_tokens, _)) in enumerate(zip(added, references)):
+        assert request.output_token_ids == ref_tokens, f"request {i}"
+    assert all(graph is None for images, graph in keys if images)
+    assert sum(graph is not None and graph[0] == MIXED_FAMILY for images, graph in keys if not images) >= 2
