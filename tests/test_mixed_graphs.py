@@ -176,7 +176,7 @@ def test_mrope_positions_replay_mixed_graphs_and_image_prompts_stay_eager(qwen2_
     requests, references = requests_and_references(qwen2_vl, tmp_path, n=6)
     llm = llm_with_graphs(folder, "qwen2_vl", monkeypatch, max_num_batched_tokens=16, max_num_seqs=8,
                           max_model_len=128)
-    graphs, runner = llm.engine.runner.graphs, llm.engine.runner
+    runner = llm.engine.runner
     keys = []
     original = runner.prepare
 
