@@ -336,3 +336,20 @@ def test_a_model_on_one_row_narrow_tiles_matches_transformers(checkpoints, monke
     assert llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids == \
         hf_greedy(model, prompt, 6)[0]
     assert any(narrow)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests run every kernel compiled")
+def test_every_kernel_compiles_for_the_h200():
+    """The interpreter never compiles a kernel, so an op the compiler refuses would first show on a GPU:
+    bench/compile_sm90.py lowers each kernel, in the variants the runtime launches, to sm_90 code with Hopper's
+    launch options, in a process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "compile_sm90.py"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("all ")
