@@ -242,6 +242,7 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "FOLD_NORMS", fold_norms)
+    monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
     calls = []  # (kernel, whether it was handed a pending norm)
     for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):

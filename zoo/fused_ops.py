@@ -60,9 +60,9 @@ FOLD_INTO_PROJECTIONS = True
 FOLD_NORMS = False
 # Whether an overlapped decode step's inputs advance in one kernel (``advance_decode_rows``) instead of about ten
 # PyTorch ops, each a launch the host pays for in every step. The same integers either way (checked on CPU in
-# Triton's interpreter); its effect on the GPU host is not yet measured (`bench/profile_gpu_step.py --variants
-# fold fold_advance`).
-ADVANCE_KERNEL = True
+# Triton's interpreter, and compiled for sm_90 by bench/compile_sm90.py). Off until measured on a GPU:
+# `bench/profile_gpu_step.py --variants fold fold_advance` times it.
+ADVANCE_KERNEL = False
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
