@@ -703,9 +703,9 @@ def build_app(server: Server):
         created = int(time.time())
         model = body.get("model") or server.model_name
         if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(stream(request, submission, chat, ident, created, model, len(items),
-                                            values.get("n", 1), values.get("stop") or [], bool(body.get("stream_options", {}) or {})
-                                            and bool((body.get("stream_options") or {}).get("include_usage"))),
+                                            values.get("n", 1), values.get("stop") or [], include_usage),
                                      media_type="text/event-stream")
         outputs = [None] * len(items)
         try:
