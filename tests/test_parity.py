@@ -95,35 +95,43 @@ def test_logprobs_equal_log_softmax_of_transformers(checkpoints, references):
 
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
-def test_whole_prompt_steps_without_the_mask_match_transformers(checkpoints, references, name):
-    """The GPU's prefill path (causal SDPA over the step's own keys, no cache gather or mask), forced on here:
-    whole prompts in one step, ragged, and prompts split into chunks (only their first chunk takes it)."""
+@pytest.mark.parametrize("without_mask", [True, False], ids=["own keys", "dense mask"])
+def test_whole_prompt_steps_match_transformers_with_and_without_the_mask(checkpoints, references, name,
+                                                                         without_mask):
+    """Whole prompts in one step, ragged, and prompts split into chunks (only their first chunk can take the
+    unmasked path): by causal SDPA over the step's own keys (the default), and with that path turned off, by
+    SDPA over the gathered cache blocks with a dense mask (what drafts and windows keep)."""
     prompts = prompt_set()
     for runtime in (dict(max_num_batched_tokens=512), dict(block_size=4, max_num_batched_tokens=7)):
         llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], **runtime)
-        llm.engine.runner.fresh_causal_path = True
+        assert llm.engine.runner.fresh_causal_path
+        llm.engine.runner.fresh_causal_path = without_mask
         taken = []
         original = llm.engine.runner.attention_metadata
         llm.engine.runner.attention_metadata = lambda *a, **k: taken.append(k.get("fresh_causal")) or original(*a, **k)
         outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
-        assert any(taken) != bool(llm.engine.description.sliding_window)  # a window keeps the mask
+        # a window keeps the mask
+        assert any(taken) == (without_mask and not llm.engine.description.sliding_window)
         for i, (out, (ref_tokens, _)) in enumerate(zip(outputs, references[name])):
             assert out.token_ids == ref_tokens, f"prompt {i}, {runtime}"
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("token_budget", [512, 24])  # 24: prompts split into chunks after cached tokens
-def test_steps_mixing_decodes_prompts_and_chunks_match_transformers(checkpoints, references, name, token_budget):
-    """The GPU's path for a step that admits prompts while others decode (the decode kernel for the decode
-    tokens, causal SDPA over each whole prompt's own keys, masked SDPA over each later chunk's own blocks; no
-    mask over the whole step), forced on here: the kernel runs in Triton's interpreter. Requests arrive while
-    others decode, so such steps occur."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "sdpa"])
+def test_steps_mixing_decodes_prompts_and_chunks_match_transformers(checkpoints, references, name, token_budget,
+                                                                    decode_kernel):
+    """A step that admits prompts while others decode, attended kind by kind (no mask over the whole step): the
+    decode tokens by the decode kernel (the GPU's path, forced on here: it runs in Triton's interpreter) or by
+    SDPA over each one's own blocks (CPU's), causal SDPA over each whole prompt's own keys, masked SDPA over
+    each later chunk's own blocks. Requests arrive while others decode, so such steps occur."""
+    if decode_kernel:
+        pytest.importorskip("triton")
     prompts = prompt_set()
     llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], block_size=16,
               max_num_batched_tokens=token_budget)
     engine = llm.engine
-    engine.runner.decode_kernel = engine.runner.fresh_causal_path = True
+    engine.runner.decode_kernel = decode_kernel
     metas = []
     original = engine.runner.attention_metadata
     engine.runner.attention_metadata = lambda *a, **k: metas.append(original(*a, **k)) or metas[-1]
@@ -131,6 +139,7 @@ def test_steps_mixing_decodes_prompts_and_chunks_match_transformers(checkpoints,
     requests = arrivals_beside_decodes(engine, prompts, params)
     mixed = [m.split for m in metas if m.split is not None]
     assert sum(s.decode_rows is not None and s.prompt_rows is not None for s in mixed) >= 1
+    assert all((s.decode_mask is None) == decode_kernel for s in mixed if s.decode_rows is not None)
     if token_budget < 33:
         assert sum(s.chunk_rows is not None for s in mixed) >= 2
     for i, (request, (ref_tokens, _)) in enumerate(zip(requests, references[name])):

@@ -83,9 +83,11 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self)
         self.decode_kernel = self._decode_kernel_usable(attention_backend)
         self.position_hooks = bool(hooks.zoo_step_positions.get_hookimpls())
-        # Whole-prompt steps attend without the cache's mask (flash kernels). Only on CUDA, where that is faster;
-        # on CPU the masked path stays the reference (tests turn this on to compare the two).
-        self.fresh_causal_path = device.type == "cuda"
+        # Whole-prompt steps attend without the cache's mask (flash kernels), and steps mixing decodes with
+        # prompts attend kind by kind (see zoo.model.MixedStep), rather than one dense mask padding every decode
+        # token to the longest prompt; tests turn it off to check the masked path, which the steps it cannot
+        # take (drafts, bidirectional prefixes, windows) keep.
+        self.fresh_causal_path = True
         # Mixed steps attend their whole prompts and chunks in one varlen flash call where it runs.
         self.ragged_path = ragged_attention_usable(device, dtype, description.head_dim)
 
@@ -146,7 +148,7 @@ class ModelRunner:
             self.graphs.pad_mixed(layout, graph[1])
         elif graph is None:
             unmasked = self.fresh_causal_path and not self.description.sliding_window
-            split = unmasked and self.decode_kernel and layout.splittable
+            split = unmasked and layout.splittable and max_query > 1
             # whole prompts alone take the ragged call too where it runs: no padding to the longest prompt
             fresh = unmasked and layout.fresh_causal and not (split and self.ragged_path)
             split = split and not fresh
@@ -231,6 +233,12 @@ class ModelRunner:
         decode = dict(decode_rows=decode_rows,
                       decode_seq=None if decode_rows is None else buf["token_seq"][decode_rows],
                       decode_cache_index=None if decode_rows is None else buf["token_cache_index"][decode_rows])
+        if decode_rows is not None and not self.decode_kernel:
+            num_blocks = -(-max(layout.context_lens[layout.token_seq[r]] for r in layout.decode_rows)
+                           // self.block_size)
+            key_index = torch.arange(num_blocks * self.block_size, device=device)
+            decode.update(decode_tables=buf["block_tables"][decode["decode_seq"], :num_blocks],
+                          decode_mask=(key_index <= decode["decode_cache_index"][:, None])[:, None, None])
         if self.ragged_path and (layout.prompt_spans or layout.chunk_spans):
             return MixedStep(**decode, ragged=self._ragged(layout))
         prompt_rows = on_device([r for first, n in layout.prompt_spans for r in range(first, first + n)])
