@@ -257,7 +257,7 @@ want offline && bench_part profile_offline "${OFFLINE_CAP_S:-300}" profile_offli
 
 if want serve; then
   mkdir -p "$OUT/serve"
-  for pkg in fastapi uvicorn jinja2 prometheus_client; do  # the serve extra, where the device lacks it
+  for pkg in fastapi uvicorn uvloop httptools jinja2 prometheus_client; do  # the serve extra, where the device lacks it
     "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" \
       --no-cache-dir "$pkg" > "$STAGE/install_$pkg.log" 2>&1 || echo "note: $pkg not installed"
   done
