@@ -17,8 +17,8 @@
 #                                            `norm_gemv` = bench/norm_gemv.py (the norm folded into the GEMV)
 #                                            `offline` = bench/profile_offline.py (OFFLINE_ARGS, OFFLINE_CAP_S)
 #                                            `serve` = bench/serve.py --llama-1b (SERVE_ARGS, SERVE_CAP_S; needs
-#                                            the serve extra's wheels in .carry/wheels; SERVE_ARGS_B: a second
-#                                            run in the same call, written to serve/serve_b.*)
+#                                            the serve extra's wheels in .carry/wheels; SERVE_ARGS_B and
+#                                            SERVE_ARGS_C: more runs in the same call, to serve/serve_b.*, _c.*)
 #                                            `bench` = gpu cpu
 #
 # Both trees are installed the same way for the benchmarks: non-editable, with --no-deps, into their own
@@ -266,11 +266,13 @@ if want serve; then
   # shellcheck disable=SC2086
   run_part "serve_bench" "${SERVE_CAP_S:-300}" "$OUT/serve/serve.log" \
     with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve.json" --server-log "$OUT/serve/server.log" ${SERVE_ARGS:-}
-  if [ -n "${SERVE_ARGS_B:-}" ]; then  # a second configuration in the same call, for an A/B on one machine
+  for side in b c; do  # SERVE_ARGS_B, SERVE_ARGS_C: more configurations in the same call, for A/Bs on one machine
+    var=SERVE_ARGS_${side^^}
+    [ -n "${!var:-}" ] || continue
     # shellcheck disable=SC2086
-    run_part "serve_bench_b" "${SERVE_CAP_S:-300}" "$OUT/serve/serve_b.log" \
-      with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve_b.json" $SERVE_ARGS_B
-  fi
+    run_part "serve_bench_$side" "${SERVE_CAP_S:-300}" "$OUT/serve/serve_$side.log" \
+      with_tree current "$PY" "$ROOT/bench/serve.py" --llama-1b --out "$OUT/serve/serve_$side.json" ${!var}
+  done
 fi
 
 # ---------------------------------------------------------------- (c) tests on CUDA, current tree

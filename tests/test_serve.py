@@ -369,6 +369,7 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
     ("server.max_body_bytes=0", "server.max_body_bytes=0: must be an integer >= 1"),
     ("server.hots=x", "server.hots: no such setting (did you mean server.host?)"),
     ("server.engine_threads=0", "server.engine_threads=0: must be an integer >= 1"),
+    ("server.stream_interval=0", "server.stream_interval=0: must be an integer >= 1"),
     ("runtime.tensor_parallel_size=0", "runtime.tensor_parallel_size=0: must be"),
 ])
 def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
@@ -545,6 +546,59 @@ def test_the_engine_loop_sends_tokens_only_for_streams(local):
         text += deltas.delta_of(0, ids, [], final)
     assert ids == outputs[1].token_ids and outputs[1].text and text == outputs[1].text
     assert not loop.streamed and not loop.requests_of and not deltas.state
+
+
+def test_the_engine_loop_sends_a_streams_tokens_every_stream_interval(local):
+    """server.stream_interval=4: each stream's first token goes out at once, then four at a time, and the rest
+    with its final text at its end; with n=2 each sample counts its own. A stream aborted midway leaves
+    nothing held."""
+    from zoo.serve import EngineLoop
+
+    loop = EngineLoop(local, conn=object(), stream_interval=4)
+    greedy = {"max_new_tokens": 11, "temperature": 0.0, "ignore_eos": True}
+    sampled = {"max_new_tokens": 6, "temperature": 0.9, "seed": 3, "n": 2, "ignore_eos": True}
+    loop._handle(("add", 1, [({"prompt": "def main():"}, greedy)], True))
+    loop._handle(("add", 2, [({"prompt": "import os"}, sampled)], True))
+    loop._handle(("add", 3, [({"prompt": "class A:"}, greedy)], True))
+    events, steps = [], 0
+    while local.engine.has_work():
+        loop._step()
+        steps += 1
+        events += loop.outbox
+        loop.outbox = []
+        if steps == 3:
+            loop._abort(3)
+            assert 3 not in loop.held
+    outputs = {ident: e[2] for ident, e in events if e[0] == "finished"}
+    greedy_deltas = [e for i, e in events if i == 1 and e[0] == "delta"]
+    assert [len(e[3]) for e in greedy_deltas] == [1, 4, 4, 2]
+    assert [e[4] for e in greedy_deltas] == [None, None, None, outputs[1].text]
+    assert sum((e[3] for e in greedy_deltas), []) == outputs[1].token_ids
+    expected = local.generate(["def main():"], SamplingParams(**greedy))[0]
+    assert outputs[1].token_ids == expected.token_ids
+    for sample in outputs[2].samples:
+        deltas = [e for i, e in events if i == 2 and e[0] == "delta" and e[2] == sample.index]
+        assert [len(e[3]) for e in deltas] == [1, 4, 1]
+        assert sum((e[3] for e in deltas), []) == sample.token_ids
+    assert not loop.held and not loop.requests_of
+
+
+def test_a_stream_interval_serves_the_same_text_in_fewer_chunks(model_dir, local, tmp_path):
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "server.stream_interval=4"], cwd=tmp_path)
+    try:
+        client = server.client()
+        for settings in (dict(temperature=0.0), dict(temperature=0.8, seed=5)):
+            reply = client.completions.create(model=server.model_name(), prompt="def main(", max_tokens=13,
+                                              **settings)
+            chunks = list(client.completions.create(model=server.model_name(), prompt="def main(", max_tokens=13,
+                                                    stream=True, **settings))
+            texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+            expected = local.generate(["def main("], SamplingParams(max_new_tokens=13, **settings))[0]
+            assert reply.choices[0].text == "".join(texts) == expected.text
+            assert 2 <= len(texts) <= 4  # the first token, then 4 at a time (fewer if the handler merges them)
+    finally:
+        server.stop()
 
 
 def test_the_engine_loop_takes_a_text_prompts_ids_as_the_http_process_sent_them(local, monkeypatch):
