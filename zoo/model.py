@@ -60,7 +60,7 @@ class MixedStep:
     decode_rows: torch.Tensor | None = None  # [Td] token rows of the decode tokens
     decode_seq: torch.Tensor | None = None  # [Td] their sequences (rows of block_tables)
     decode_cache_index: torch.Tensor | None = None  # [Td] their cache indices
-    # without the decode kernel (CPU): SDPA over each decoding sequence's own blocks, up to its cache index
+    # where the decode kernel does not run (CPU, attention_backend=sdpa): SDPA over each one's own blocks
     decode_tables: torch.Tensor | None = None  # [Td, blocks] their block tables
     decode_mask: torch.Tensor | None = None  # [Td, 1, 1, blocks * block_size]
     prompt_rows: torch.Tensor | None = None  # [Tp] token rows of the whole prompts
@@ -261,7 +261,7 @@ def masked_attention(q, key_cache, value_cache, block_tables, mask, seq, query_i
     keys = key_cache.index_select(0, blocks).view(-1, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     values = value_cache.index_select(0, blocks).view(-1, width, num_kv_heads, head_dim).transpose(1, 2)
     if longest == 1:  # pure decode: token i is sequence i, and a KV head's query heads are its query rows (one
-        # call over [B, Hkv, group, D] instead of one per query head: 15% less time on CPU)
+        # call over [B, Hkv, group, D] instead of one per query head: 15% less SDPA time on CPU)
         return F.scaled_dot_product_attention(q.view(q.shape[0], num_kv_heads, -1, head_dim), keys, values,
                                               attn_mask=mask, scale=scale).reshape(q.shape)
     queries = q.new_zeros(block_tables.shape[0], longest, q.shape[1], head_dim)
