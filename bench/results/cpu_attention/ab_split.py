@@ -1,7 +1,7 @@
 """Interleaved A/B: mixed and whole-prompt steps kind by kind (fresh_causal_path) against the dense mask, on
 staggered arrivals like a server's (a new request whenever one finishes)."""
 import random, time, statistics, sys, torch
-from zoo import LLM, SamplingParams
+from zoo import LLM
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
 WORDS = ["def", "class", "import", "return", "for", "while", "if", "self", "print", "yield", "lambda", "(", ")"]
 rng = random.Random(0)
