@@ -16,6 +16,8 @@
 #                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
 #                                            `norm_gemv` = bench/norm_gemv.py (the norm folded into the GEMV)
 #                                            `offline` = bench/profile_offline.py (OFFLINE_ARGS, OFFLINE_CAP_S)
+#                                            `arrivals` = bench/arrivals.py --llama-1b (ARRIVALS_ARGS, default:
+#                                            mixed graphs against none; ARRIVALS_CAP_S)
 #                                            `serve` = bench/serve.py --llama-1b (SERVE_ARGS, SERVE_CAP_S; needs
 #                                            the serve extra's wheels in .carry/wheels; SERVE_ARGS_B and
 #                                            SERVE_ARGS_C: more runs in the same call, to serve/serve_b.*, _c.*)
@@ -60,8 +62,8 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec|lora|profile|gemv|norm_gemv|serve|offline) PARTS+=("$a") ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    gpu|cpu|tests|anchor|spec|lora|profile|gemv|norm_gemv|serve|offline|arrivals) PARTS+=("$a") ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -254,6 +256,9 @@ want norm_gemv && run_part "norm_gemv" 120 "$STAGE/norm_gemv.log" \
 
 # shellcheck disable=SC2086
 want offline && bench_part profile_offline "${OFFLINE_CAP_S:-300}" profile_offline.py offline ${OFFLINE_ARGS:-}
+# shellcheck disable=SC2086
+want arrivals && run_part "arrivals" "${ARRIVALS_CAP_S:-300}" "$OUT/arrivals.txt" \
+  with_tree current "$PY" "$ROOT/bench/arrivals.py" --llama-1b ${ARRIVALS_ARGS:---variants default mixed_graph_tokens=512}
 
 if want serve; then
   mkdir -p "$OUT/serve"

@@ -54,3 +54,17 @@ def test_speculative_gpu_measuring_code_runs_on_cpu(tmp_path):
         assert row["tok_s"] > 0 and row["ms_per_step"]["target"] > 0
         assert row["identical_sequences"] == row["batch"]  # float32: drafting never changes a token
     assert "ms per step" in (tmp_path / "spec.md").read_text()
+
+
+def test_arrivals_script_runs_variants_interleaved():
+    """bench/arrivals.py: a runner attribute and the default, interleaved, with the same greedy tokens, and steps
+    that mix decodes with prompts (requests arrive as others finish)."""
+    script = SCRIPT.parent / "arrivals.py"
+    proc = subprocess.run([sys.executable, str(script), "--requests", "12", "--concurrency", "4", "--max-tokens", "20",
+                           "--rounds", "2", "--threads", "1", "--variants", "runner.fresh_causal_path=false",
+                           "default"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rounds = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 4 and all("mixed" in line for line in rounds)
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert len(summary) == 2 and all(line.endswith("same tokens") for line in summary), proc.stdout
