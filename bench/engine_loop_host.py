@@ -1,7 +1,7 @@
 """Host time per step of `zoo.serve`'s engine loop under load, the forward pass left out.
 
 At 64 concurrent clients on the H200 the server's engine process was busy 0.97-1.00 cores: its Python, not the
-GPU, set the pace (bench/results/serve/h200_round4/). This runs that loop (`zoo.serve.EngineLoop`) in this
+GPU, set the pace (bench/results/serve/h200_round4/). This runs that loop (`zoo.engine_process.EngineLoop`) in this
 process on the embedded model's engine, on CPU, with the two things that are not the engine's host work
 replaced:
   * the model: `ModelRunner.run` returns logits prepared once (every request gets the same tokens), so a step
@@ -79,7 +79,7 @@ def main() -> int:
     torch.set_num_threads(1)
     from zoo import LLM
     from zoo.cuda_graphs import token_buckets
-    from zoo.serve import EngineLoop
+    from zoo.engine_process import EngineLoop
     from zoo.step import StepOutput
 
     llm = LLM(max_num_seqs=args.concurrency, max_num_batched_tokens=2048, enable_prefix_caching=False)

@@ -246,7 +246,7 @@ def main() -> int:
     rng = random.Random(0)
     count = max(8, args.rounds * max(args.concurrency))
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) for _ in range(count)]
-    from zoo.serve import free_port
+    from zoo.engine_process import free_port
 
     proc, base_url, model = start_server(args, free_port())
     try:

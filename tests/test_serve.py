@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from zoo import LLM, SamplingParams  # noqa: E402
-from zoo.serve import free_port  # noqa: E402
+from zoo.engine_process import free_port  # noqa: E402
 
 KEY = "test-key-123"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -380,7 +380,7 @@ def test_a_bad_server_setting_is_one_line_before_anything_loads(override, messag
 
 
 def test_the_engine_process_computes_on_the_cores_the_http_process_leaves():
-    from zoo.serve import engine_threads
+    from zoo.engine_process import engine_threads
 
     assert engine_threads(None, 1, 2) == 1 and engine_threads(None, 1, 16) == 15
     assert engine_threads(None, 2, 16) == 7 and engine_threads(None, 4, 2) == 1  # tensor-parallel ranks share them
@@ -524,7 +524,7 @@ def test_the_engine_loop_sends_tokens_only_for_streams(local):
     a streamed one beside it gets each step's tokens (text only in the last, once final: the HTTP process decodes
     the rest), which add up to its output's tokens and, through the HTTP process's TextDeltas, to its text."""
     from zoo.llm import TextDeltas
-    from zoo.serve import EngineLoop
+    from zoo.engine_process import EngineLoop
 
     loop = EngineLoop(local, conn=object())  # a connection is only sent to in run(), which this test does not call
     values = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -552,7 +552,7 @@ def test_the_engine_loop_sends_a_streams_tokens_every_stream_interval(local):
     """server.stream_interval=4: each stream's first token goes out at once, then four at a time, and the rest
     with its final text at its end; with n=2 each sample counts its own. A stream aborted midway leaves
     nothing held."""
-    from zoo.serve import EngineLoop
+    from zoo.engine_process import EngineLoop
 
     loop = EngineLoop(local, conn=object(), stream_interval=4)
     greedy = {"max_new_tokens": 11, "temperature": 0.0, "ignore_eos": True}
@@ -604,7 +604,7 @@ def test_a_stream_interval_serves_the_same_text_in_fewer_chunks(model_dir, local
 def test_the_engine_loop_takes_a_text_prompts_ids_as_the_http_process_sent_them(local, monkeypatch):
     """The HTTP process encodes every text prompt for its length check and sends the ids with the text: the
     engine process, the busier one, does not encode it again, and the output is the text prompt's."""
-    from zoo.serve import EngineLoop
+    from zoo.engine_process import EngineLoop
 
     prompt = "def main():"
     ids = local.tokenizer.encode(prompt)

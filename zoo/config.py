@@ -12,7 +12,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from zoo.errors import ZooError
+from zoo.errors import EXIT_BAD_SETTING, ZooError
 from zoo.plugins import load_plugins
 
 CONFIG_MODULE = "zoo_conf"
@@ -98,9 +98,10 @@ def cli_main(hydra_main, name: str = "config") -> None:
 
 
 def exit_on_error(call):
-    """``call()``'s result; a ZooError becomes one ``error:`` line on stderr and exit status 2."""
+    """``call()``'s result; a ZooError becomes one ``error:`` line on stderr and exit status 2
+    (``EXIT_BAD_SETTING``)."""
     try:
         return call()
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_SETTING)

@@ -12,3 +12,8 @@ class ZooError(Exception):
 
 class RequestError(ZooError):
     """A single request is invalid; it is rejected, the rest of the batch runs."""
+
+
+# The exit status of zoo's commands when a setting, the input or the model is bad (a ZooError before any work
+# starts: the message says what).
+EXIT_BAD_SETTING = 2

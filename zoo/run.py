@@ -32,7 +32,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from zoo.config import cli_main
-from zoo.errors import ZooError
+from zoo.errors import EXIT_BAD_SETTING, ZooError
 from zoo.settings import check_settings
 
 EXIT_FAILED_REQUESTS, EXIT_SIGINT, EXIT_SIGTERM = 3, 130, 143
@@ -187,7 +187,7 @@ def run(cfg: DictConfig) -> int:
                                "torchrun --nproc-per-node N -m zoo.run -m ...")
         except ZooError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_SETTING
         return launch_ranks(int(cfg.runtime.tensor_parallel_size))
     # Under tensor parallelism rank 0 alone reads the input (it may be a pipe, or on rank 0's machine only) and
     # hands every rank the same requests; rank 0 alone writes records and reports.
@@ -206,7 +206,7 @@ def run(cfg: DictConfig) -> int:
         llm = LLM(config=cfg)
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_SETTING
     except KeyboardInterrupt:
         print("stopped before any request ran", file=sys.stderr)
         return EXIT_SIGINT
