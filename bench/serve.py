@@ -5,6 +5,8 @@ concurrency 1, 16 and 64 (the figures of vLLM's ``benchmark_serving``), beside t
     python bench/serve.py                         # the embedded default model, on this machine's device
     python bench/serve.py --model DIR --rounds 8 --out bench/results/serve.json
 
+ITL is the mean gap between the chunks a client receives; TPOT the time per output token after the first, which
+differs from it when chunks carry several tokens (``server.stream_interval``, or a handler merging steps under load).
 Each request streams (``stream_options.include_usage`` gives its token count); prompts are code snippets of
 mixed lengths and every request asks for ``--max-tokens`` greedy tokens with EOS ignored (the OpenAI API has no such
 field: the server is started with ``sampling.ignore_eos=true``).
@@ -103,6 +105,8 @@ def one_request(base_url, model, prompt, max_tokens, record):
                 tokens = chunk["usage"]["completion_tokens"]
     record.append({"ttft": stamps[0] - start if stamps else float("nan"),
                    "itl": statistics.mean(b - a for a, b in zip(stamps, stamps[1:])) if len(stamps) > 1 else 0.0,
+                   # time per output token after the first, however many a chunk carries (server.stream_interval)
+                   "tpot": (stamps[-1] - stamps[0]) / (tokens - 1) if len(stamps) > 1 and tokens > 1 else 0.0,
                    "tokens": tokens})
 
 
@@ -199,7 +203,8 @@ def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None, proc
     return {"concurrency": concurrency, "client_processes": processes, "requests": len(records), "seconds": wall,
             "cpu_cores_busy": cpu, "output_tok_s": sum(r["tokens"] for r in records) / wall,
             "ttft_median_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
-            "itl_mean_ms": 1000 * statistics.mean(r["itl"] for r in records)}
+            "itl_mean_ms": 1000 * statistics.mean(r["itl"] for r in records),
+            "tpot_mean_ms": 1000 * statistics.mean(r["tpot"] for r in records)}
 
 
 def main() -> int:
@@ -275,7 +280,7 @@ def main() -> int:
                 raise SystemExit(f"requests failed at concurrency {concurrency}; the server's last lines:\n"
                                  f"{server_log_tail(args)}")
             print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
-                  f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms; "
+                  f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms, TPOT mean {r['tpot_mean_ms']:.2f} ms; "
                   "cores busy: " + ", ".join(f"{name} {busy:.2f}" for name, busy in r["cpu_cores_busy"].items()),
                   flush=True)
     finally:
