@@ -596,7 +596,9 @@ def test_a_stream_interval_serves_the_same_text_in_fewer_chunks(model_dir, local
             texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
             expected = local.generate(["def main("], SamplingParams(max_new_tokens=13, **settings))[0]
             assert reply.choices[0].text == "".join(texts) == expected.text
-            assert 2 <= len(texts) <= 4  # the first token, then 4 at a time (fewer if the handler merges them)
+            # the first token, then 4 at a time: at most 4 chunks (fewer where a handler that woke late merged
+            # what had queued, which a loaded machine makes happen; the engine loop's test pins the pattern)
+            assert 1 <= len(texts) <= 4
     finally:
         server.stop()
 

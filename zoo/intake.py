@@ -103,8 +103,10 @@ class RequestIntake:
             if not isinstance(prompt, str):
                 raise RequestError("a request needs `prompt` (text) or `prompt_ids` (list of token ids)")
             prompt_token_ids = self.engine.tokenizer.encode(prompt)
-        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+        # the set of types first: one C-level pass for the usual list of plain ints (a long prompt's per-token
+        # isinstance calls were most of its intake)
+        if not isinstance(prompt_token_ids, (list, tuple)) or not (set(map(type, prompt_token_ids)) <= {int} or all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids)):
             raise RequestError("prompt_ids must be a list of integers")
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
@@ -114,8 +116,8 @@ class RequestIntake:
         engine, prompt = self.engine, request.prompt_token_ids
         vocab = engine.description.vocab_size
         table = self.hooks.zoo_request_table_size(request=request) or 0
-        bad = [t for t in prompt if not 0 <= t < vocab + table]
-        if bad:
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab + table):
+            bad = [t for t in prompt if not 0 <= t < vocab + table]
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
                                + (f" and the request's prompt table [{vocab}, {vocab + table})" if table else ""))
         if len(prompt) >= engine.max_model_len:
