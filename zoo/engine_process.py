@@ -122,14 +122,15 @@ class EngineLoop:
                 continue
             ident, index = owner
             done = request.is_finished
-            if self.stream_interval > 1 and ident in streams:
-                tokens = self._due(ident, (index, request.sample_index), tokens, done)
-            if tokens and ident in streams and not request.error and not request.beam_hypotheses:
-                # tokens, and the text only once it is final (cut at a stop string): the HTTP process decodes the
-                # rest, so that detokenizing (15% of this process at concurrency 64 on the H200,
-                # h200_round4/engine_spy_call6.txt) runs beside the steps
-                self.outbox.append((ident, ("delta", index, request.sample_index, tokens,
-                                            request.output_text if done else None)))
+            if ident in streams and not request.error and not request.beam_hypotheses:
+                if self.stream_interval > 1:
+                    tokens = self._due(ident, (index, request.sample_index), tokens, done)
+                if tokens:
+                    # tokens, and the text only once it is final (cut at a stop string): the HTTP process decodes
+                    # the rest, so that detokenizing (15% of this process at concurrency 64 on the H200,
+                    # h200_round4/engine_spy_call6.txt) runs beside the steps
+                    self.outbox.append((ident, ("delta", index, request.sample_index, tokens,
+                                                request.output_text if done else None)))
             if done and request.group_finished:  # after every sample's last delta of this step (n > 1 together)
                 finished[group.request_id] = group
         for group in finished.values():
