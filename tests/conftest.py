@@ -115,3 +115,41 @@ class StepRecorder:
     @hookimpl
     def zoo_step_prepare(self, batch):
         self.steps.append(self.see(batch))
+
+
+# ------------------------------------------------------------------ checkpoints several test files share
+# Fixtures live here rather than imported from one test file into another (pytest's way to share them); the
+# writers stay beside the references they are checked against.
+
+@pytest.fixture(scope="module", params=["chatglm", "glm"])
+def glm_checkpoint(request, tmp_path_factory):
+    """(kind, folder, tensors) of a tiny ChatGLM-6B or GLM-10B checkpoint (tests/test_glm.py writes them)."""
+    from test_glm import write_chatglm, write_glm
+
+    folder = tmp_path_factory.mktemp(request.param)
+    tensors = (write_chatglm if request.param == "chatglm" else write_glm)(folder)
+    return request.param, folder, tensors
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    """(folder, transformers model) of a random-init tiny Qwen2-VL (tests/test_qwen2_vl.py writes it)."""
+    from test_qwen2_vl import write_qwen2_vl
+
+    folder = tmp_path_factory.mktemp("qwen2_vl")
+    return folder, write_qwen2_vl(folder)
+
+
+@pytest.fixture(scope="module")
+def eight_layer_llama(tmp_path_factory):
+    """(folder, transformers model) of a random-init 8-layer Llama: EAGLE-3 reads three of its layers."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("llama8")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(8)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_glm import glm_checkpoint  # noqa: F401  (a fixture)
 from test_medusa import REGIMES, assert_one_line_error, mixed_prompts
 from test_speculative import assert_three_sampled_tokens_follow_the_target
 from zoo import LLM, SamplingParams, ZooError, hookimpl
@@ -237,20 +236,6 @@ def dense_eagle3_feature(t, hf_model, tokens: list[int]) -> torch.Tensor:
         mixed = torch.cat([rms(embeds, "midlayer.input_layernorm.weight"), rms(x, "midlayer.hidden_norm.weight")], -1)
         h = x + dense_attention(mixed, t, "midlayer.self_attn.", hf_model, hidden)
         return (h + dense_mlp(rms(h, "midlayer.post_attention_layernorm.weight"), t, "midlayer.mlp."))[-1]
-
-
-@pytest.fixture(scope="module")
-def eight_layer_llama(tmp_path_factory):
-    import transformers
-
-    folder = tmp_path_factory.mktemp("llama8")
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(8)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder, model
 
 
 @pytest.mark.parametrize("regime", ["batched", "chunked_prefill", "preemption"])

@@ -192,13 +192,6 @@ def reference_greedy(kind, t, prompt, n):
     return tokens[len(prompt):], torch.stack(steps)
 
 
-@pytest.fixture(scope="module", params=["chatglm", "glm"])
-def glm_checkpoint(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    tensors = (write_chatglm if request.param == "chatglm" else write_glm)(folder)
-    return request.param, folder, tensors
-
-
 def glm_prompts():
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 1000, (21,), generator=g).tolist()

@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from conftest import StepRecorder, arrivals_beside_decodes, hf_greedy, prompt_set
-from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
-from test_qwen2_vl import qwen2_vl  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import prompt_set
-from test_glm import glm_checkpoint, glm_prompts  # noqa: F401  (glm_checkpoint is a fixture)
+from test_glm import glm_prompts
 from test_medusa import REGIMES, assert_one_line_error, mixed_prompts
 from test_speculative import assert_three_sampled_tokens_follow_the_target
-from test_qwen2_vl import qwen2_vl, requests_and_references  # noqa: F401  (qwen2_vl is a fixture)
+from test_qwen2_vl import requests_and_references
 from zoo import LLM, SamplingParams
 
 MAX_NEW = 24

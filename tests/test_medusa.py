@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import prompt_set
-from test_glm import glm_checkpoint, glm_prompts  # noqa: F401  (glm_checkpoint is a fixture)
-from test_qwen2_vl import qwen2_vl, requests_and_references  # noqa: F401  (qwen2_vl is a fixture)
+from test_glm import glm_prompts
+from test_qwen2_vl import requests_and_references
 from test_speculative import OracleDrafter, assert_three_sampled_tokens_follow_the_target, llm_with
 from zoo import LLM, SamplingParams, ZooError
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from conftest import ZOO_MODEL_OPTION, arrivals_beside_decodes, hf_greedy, prompt_set
-from test_qwen2_vl import qwen2_vl  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
 from zoo.cuda_graphs import MIXED_FAMILY, PROMPT_FAMILY, token_buckets
 

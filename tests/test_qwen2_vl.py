@@ -24,9 +24,8 @@ LOGIT_ATOL = 1e-4  # float32
 PATCH_VALUES = 3 * 2 * 14 * 14
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2_vl")
+def write_qwen2_vl(folder):
+    """A random-init tiny Qwen2-VL saved in ``folder`` (the ``qwen2_vl`` fixture of conftest.py); its model."""
     config = transformers.Qwen2VLConfig(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -39,7 +38,7 @@ def qwen2_vl(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
     model.save_pretrained(folder, safe_serialization=True)
-    return folder, model
+    return model
 
 
 def make_image(folder, name, grid, seed):

@@ -15,8 +15,6 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import ZOO_MODEL_OPTION, hf_greedy, prompt_set
-from test_eagle import eight_layer_llama  # noqa: F401  (a fixture)
-from test_qwen2_vl import qwen2_vl  # noqa: F401  (a fixture)
 from zoo import LLM, SamplingParams
 from zoo.errors import ZooError
 from zoo.parallel import leave
