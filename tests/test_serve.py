@@ -599,6 +599,18 @@ def test_a_stream_interval_serves_the_same_text_in_fewer_chunks(model_dir, local
             # the first token, then 4 at a time: at most 4 chunks (fewer where a handler that woke late merged
             # what had queued, which a loaded machine makes happen; the engine loop's test pins the pattern)
             assert 1 <= len(texts) <= 4
+        # each of n samples held on its own, and a stop string cutting a held stream where it cuts the output
+        text = local.generate(["def main("], SamplingParams(max_new_tokens=13, temperature=0.0))[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        for settings in (dict(temperature=0.9, seed=4, n=2), dict(temperature=0.0, stop=[stop])):
+            reply = client.completions.create(model=server.model_name(), prompt="def main(", max_tokens=13,
+                                              **settings)
+            chunks = list(client.completions.create(model=server.model_name(), prompt="def main(", max_tokens=13,
+                                                    stream=True, **settings))
+            for choice in reply.choices:
+                streamed = "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == choice.index)
+                assert streamed == choice.text
+        assert stop and reply.choices[0].finish_reason == "stop"
     finally:
         server.stop()
 
