@@ -608,8 +608,8 @@ def test_a_stream_interval_serves_the_same_text_in_fewer_chunks(model_dir, local
             chunks = list(client.completions.create(model=server.model_name(), prompt="def main(", max_tokens=13,
                                                     stream=True, **settings))
             for choice in reply.choices:
-                streamed = "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == choice.index)
-                assert streamed == choice.text
+                mine = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == choice.index]
+                assert "".join(mine) == choice.text
         assert stop and reply.choices[0].finish_reason == "stop"
     finally:
         server.stop()
