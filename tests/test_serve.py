@@ -170,6 +170,10 @@ def test_chat_uses_the_checkpoint_template(served, local, model_dir):
     assert reply.choices[0].message.content == expected
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[0].choices[0].delta.role == "assistant"
+    # the chat API's newer name for the length cap
+    capped = client.chat.completions.create(model=served.model_name(), messages=messages, max_completion_tokens=4,
+                                            temperature=0)
+    assert capped.usage.completion_tokens == 4 and expected.startswith(capped.choices[0].message.content)
 
 
 def test_an_adapter_is_a_model(served, local):
