@@ -3,7 +3,8 @@
     python -m zoo.serve model.path=DIR +adapters.sql=PEFT_DIR server.port=8000
 
 Starlette (through FastAPI) and uvicorn handle HTTP (the ``serve`` extra); zoo supplies one engine loop. The
-engine runs in a process of its own: handlers hand it requests and aborts through a pipe, and it sends each
+engine runs in a process of its own (:mod:`zoo.engine_process`): handlers hand it requests and aborts through a
+pipe, and it sends each
 step's tokens back in one message, which a reader thread hands to the handlers' event loop, so every HTTP
 request joins the running continuous batch as it arrives. Streams turn their tokens into text in the HTTP
 process, beside the engine's steps. Endpoints: ``POST /v1/completions``,
