@@ -4,9 +4,8 @@
 
 Starlette (through FastAPI) and uvicorn handle HTTP (the ``serve`` extra); zoo supplies one engine loop. The
 engine runs in a process of its own (:mod:`zoo.engine_process`): handlers hand it requests and aborts through a
-pipe, and it sends each
-step's tokens back in one message, which a reader thread hands to the handlers' event loop, so every HTTP
-request joins the running continuous batch as it arrives. Streams turn their tokens into text in the HTTP
+pipe, and it sends each step's tokens back in one message, which a reader thread hands to the handlers' event
+loop, so every HTTP request joins the running continuous batch as it arrives. Streams turn their tokens into text in the HTTP
 process, beside the engine's steps. Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with ``stream``: server-sent events ending in ``data: [DONE]``),
 ``GET /v1/models`` (the base model and every adapter; a request selects an adapter by its name in ``model``),
