@@ -45,8 +45,6 @@ def signature(kernel, pointers: dict[str, str]) -> dict[str, str]:
     return types
 
 
-NORM = dict(NORM=True, HAS_RESIDUAL=True)
-NO_NORM = dict(NORM=False, HAS_RESIDUAL=False)
 PDL = dict(PDL=True)
 # (name, kernel, pointers not bf16 ("*": all of them), constexprs, launch options)
 CASES = [
@@ -62,15 +60,15 @@ CASES = [
     ("gemv float32", fused_ops._gemv_kernel, {"X": "*fp32", "W": "*fp32", "Bias": "*fp32", "Out": "*fp32"},
      dict(HAS_BIAS=False, ROUND_TO=tl.float32, IEEE=True, DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, **PDL), {}),
     ("gate_up_silu", fused_ops._gate_up_silu_kernel, {},
-     dict(**NO_NORM, HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, **PDL), {}),
-    ("gate_up_silu, folded norm, narrow", fused_ops._gate_up_silu_kernel, {},
-     dict(**NORM, HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=512, **PDL), {}),
+     dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, **PDL), {}),
+    ("gate_up_silu, narrow", fused_ops._gate_up_silu_kernel, {},
+     dict(HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PDL), {}),
     ("qkv_rope_cache", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
-     dict(**NO_NORM, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=True,
+     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=True,
           BLOCK_M=16, PAIR=16, BLOCK_K=512, **PDL), fused_ops.EXACT_ROUNDING),
-    ("qkv_rope_cache, folded norm, narrow", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
-     dict(**NORM, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=True, IEEE=False, DOT=False,
-          BLOCK_M=1, PAIR=4, BLOCK_K=512, **PDL), fused_ops.EXACT_ROUNDING),
+    ("qkv_rope_cache, narrow", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
+     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=True, IEEE=False, DOT=False,
+          BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PDL), fused_ops.EXACT_ROUNDING),
     ("argmax chunks", fused_ops._argmax_chunk_kernel, {"Logits": "*fp32", "Values": "*fp32", "Indices": "*i32"},
      dict(BLOCK=fused_ops.ARGMAX_BLOCK, **PDL), {}),
     ("argmax rows", fused_ops._argmax_rows_kernel, {"Values": "*fp32", "Indices": "*i32", "Out": "*i64"},

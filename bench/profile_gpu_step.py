@@ -34,12 +34,18 @@ from gpu import write_checkpoint  # noqa: E402
 # program per possible split (lanes); the LM head's weight-streaming kernel (gemv_rows); whole prompts without
 # the mask (fresh); the graph's argmax as two Triton launches instead of torch's (argmax); programmatic dependent
 # launch of the Triton kernels (pdl); the layers' projections through the weight-streaming kernel up to
-# proj_rows rows; rotary with the cache write and SiLU-and-mul in the epilogues of those products (fold), and the
-# RMSNorms before them inside them (fold_norms); an overlapped step's inputs advanced by one kernel (advance).
+# proj_rows rows; rotary with the cache write and SiLU-and-mul in the epilogues of those products (fold); an
+# overlapped step's inputs advanced by one kernel (advance); tiles of one row (one_row). (Round 9 also had the
+# RMSNorms folded into those products, since dropped: 3.92 against 1.03 ms per batch-1 replay,
+# bench/results/gpu/round9/profile_fold_norms_advance.txt.)
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
-BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, fold_norms=False,
-            advance=False)
+BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
+            one_row={})
+# fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
+# products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
+NARROW_O = {2048: (8, 1024, 3, 2), 4096: (8, 1024, 3, 2)}
+NARROW_DOWN = {2048: (4, 1024, 2, 2), 4096: (8, 1024, 3, 2)}
 VARIANTS = {
     "main": dict(BASE, lanes=False, gemv_rows=0, fresh=False),
     "round5": BASE,
@@ -49,8 +55,9 @@ VARIANTS = {
     "pdl_proj": dict(BASE, argmax=True, pdl=True, proj_rows=16),
     "new": dict(BASE, argmax=True, pdl=True, proj_rows=1),
     "fold": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True),
-    "fold_norms": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True, fold_norms=True),
     "fold_advance": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True, advance=True),
+    "narrow_o": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True, one_row=NARROW_O),
+    "narrow_down": dict(BASE, argmax=True, pdl=True, proj_rows=1, fold=True, one_row=NARROW_DOWN),
 }
 TRITON_ARGMAX = None
 
@@ -66,8 +73,8 @@ def apply(variant: dict) -> None:
     triton_attention.PDL = variant["pdl"]
     fused_ops.PROJECTION_GEMV_MAX_ROWS = variant["proj_rows"]
     fused_ops.FOLD_INTO_PROJECTIONS = variant["fold"]
-    fused_ops.FOLD_NORMS = variant["fold_norms"]
     fused_ops.ADVANCE_KERNEL = variant["advance"]
+    fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
 
 
 def main() -> int:

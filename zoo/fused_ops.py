@@ -22,7 +22,6 @@ Triton's interpreter.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -51,13 +50,6 @@ PROJECTION_GEMV_MAX_ROWS = 4
 # 32 launches fewer per decode step of a 16-layer model. In bf16 the H200 gave the separate kernels' bits, but for
 # rotary's one ulp, since removed with EXACT_ROUNDING (below; not yet rerun there); float32 parts in its last bits.
 FOLD_INTO_PROJECTIONS = True
-# Whether the RMSNorm before those products runs inside them too (``PendingNorm``), where the layer's norms are
-# RMSNorms over the sublayer's input: two launches fewer per layer, at the cost of bit-equality with the
-# separate norm kernel. Off: built and checked against transformers on CPU, not yet run on a GPU. The RMSNorm
-# folded the other way (bench/norm_gemv.py: every program normalises the row before streaming its weights)
-# lost 0.66x on the H200; this one sums the squares while it streams. `bench/profile_gpu_step.py --variants
-# fold fold_norms` decides.
-FOLD_NORMS = False
 # Whether an overlapped decode step's inputs advance in one kernel (``advance_decode_rows``) instead of about ten
 # PyTorch ops, each a launch the host pays for in every step. The same integers either way (checked on CPU in
 # Triton's interpreter, and compiled for sm_90 by bench/compile_sm90.py). Off until measured on a GPU:
@@ -69,9 +61,12 @@ GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128,
 # Tiles for a step of one row, by output width, where they differ from those above. A BLOCK_N under 16 streams
 # without tensor cores (tl.dot takes 16 columns at least; the products are summed in float32), so that a narrow
 # matrix spreads over more programs: at one row, the o and q/k/v products streamed at 42% and 58% of the copy
-# bandwidth on the H200, the down product at 66%, gate/up at 89% (bench/results/gpu/round2/gemv.txt). Empty
-# until `bench/gemv_kernel.py --sweep` shows a narrow tile winning.
-GEMV_ONE_ROW_CONFIGS: dict[int, tuple] = {}
+# bandwidth on the H200, the down product at 66%, gate/up at 89% (bench/results/gpu/round2/gemv.txt). The sweep
+# of round 9 (`bench/gemv_kernel.py --sweep`, bench/results/gpu/round9/gemv.txt): 8 columns, 1024 deep, 3 stages,
+# 2 warps took the o product from 4.06 to 3.39 us and q/k/v from 4.63 to 4.12; gate/up and the LM head gained
+# nothing (the widest outputs keep GEMV_CONFIGS'). A batch-1 decode graph replayed in 1.0074 against 1.0289 ms
+# (interleaved, bench/results/gpu/round9/profile_narrow.txt).
+GEMV_ONE_ROW_CONFIGS: dict[int, tuple] = {2048: (8, 1024, 3, 2), 4096: (8, 1024, 3, 2)}
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
@@ -186,38 +181,22 @@ if triton is not None:
 
     @triton.jit
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
-                        Residual, NormWeight, Summed, stride_r, stride_s, eps, store_summed,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+                        IEEE: tl.constexpr, DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32.
-        # With NORM, x is first RMSNorm(x + residual) * weight, applied on the fly (see PendingNorm); a program
-        # with store_summed writes x + residual.
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        squares = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, k, BLOCK_K):
             ks = start + offs_k
             k_ok = ks < k
             w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x_mask = row_ok[:, None] & k_ok[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=x_mask, other=0.0)
-            if NORM:
-                if HAS_RESIDUAL:  # rounded to the model dtype before the norm reads it, as in eager PyTorch
-                    x = (x.to(tl.float32) + tl.load(Residual + offs_m[:, None] * stride_r + ks[None, :],
-                                                    mask=x_mask, other=0.0).to(tl.float32)).to(x.dtype)
-                    if store_summed:
-                        tl.store(Summed + offs_m[:, None] * stride_s + ks[None, :], x, mask=x_mask)
-                xf = x.to(tl.float32)
-                squares += tl.sum(xf * xf, 1)
-                x = (xf * tl.load(NormWeight + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
+            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if not DOT:  # a tile narrower than tensor cores take (see row_tile)
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
             elif IEEE:  # float32 models: no TF32 rounding of the operands
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
-        if NORM:
-            acc = acc * tl.rsqrt(squares / k + eps)[:, None]
         return acc
 
     @triton.jit
@@ -232,8 +211,8 @@ if triton is not None:
         # Prefetching this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the first
         # 512 columns, 19% slower for all of them (profile_pdl_ab.txt), so the wait comes first.
         wait_for_previous_kernel(PDL)
-        acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
-                              X, X, X, 0, 0, 0.0, False, False, False, IEEE, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w, IEEE, DOT, BLOCK_M, BLOCK_N,
+                              BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
@@ -241,10 +220,8 @@ if triton is not None:
 
     @triton.jit
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
-                        Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, PAIR: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
         i = tl.arange(0, 2 * PAIR)
@@ -252,8 +229,7 @@ if triton is not None:
         col_ok = first + i % PAIR < n
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
-                              Residual, NormWeight, Summed, stride_r, stride_s, eps, tl.program_id(0) == 0,
-                              NORM, HAS_RESIDUAL, IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K)
+                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -261,16 +237,13 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
-                             Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
         wait_for_previous_kernel(PDL)
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                                   NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
+                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -282,8 +255,6 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
                                stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
-                               Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -295,8 +266,7 @@ if triton is not None:
         first = head * 2 * HALF + start
         wait_for_previous_kernel(PDL)
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
-                                 rows, k, stride_x, stride_w, Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                                 NORM, HAS_RESIDUAL, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
+                                 rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -480,30 +450,6 @@ def folds_into_projection(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return FOLD_INTO_PROJECTIONS and gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS)
 
 
-@dataclass
-class PendingNorm:
-    """``RMSNorm(x + residual) * weight`` left to the product that reads it: ``gate_up_silu`` and
-    ``qkv_rope_and_write_cache`` apply it on the fly and write ``x + residual``. Each program sums the squares of
-    the row as it streams it and scales its dot products by the norm at the end, so the normalised input is not
-    rounded before the product as in the separate kernel: results differ from it in the last bits."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
-
-
-def _norm_launch(x: torch.Tensor, norm: PendingNorm | None) -> tuple[dict, torch.Tensor]:
-    # The kernels' norm arguments, and what the caller gets back as the input the norm read (x + residual).
-    if norm is None:
-        return dict(Residual=x, NormWeight=x, Summed=x, stride_r=0, stride_s=0, eps=0.0, NORM=False,
-                    HAS_RESIDUAL=False), x
-    residual = norm.residual
-    summed = torch.empty_like(x) if residual is not None else x
-    return dict(Residual=residual if residual is not None else x, NormWeight=norm.weight, Summed=summed,
-                stride_r=residual.stride(0) if residual is not None else 0, stride_s=summed.stride(0), eps=norm.eps,
-                NORM=True, HAS_RESIDUAL=residual is not None), summed
-
-
 def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int) -> dict:
     # The tile of the plain kernel for this weight, cut into two runs of PAIR rows.
     block_n, block_k, stages, warps = gemv_config(weight.shape[0], x.shape[0])
@@ -512,28 +458,23 @@ def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int)
                 PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, **pdl_options(x.device))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 norm: PendingNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``silu_and_mul(F.linear(x, weight, bias))`` for ``weight = [gate; up]``, as one launch: each program
-    streams matching gate and up rows and stores only the activated product. With ``norm``, of the normalised
-    ``x + residual``. Returns (the product, the input before the norm: x + residual, or x)."""
+    streams matching gate and up rows and stores only the activated product."""
     half = weight.shape[0] // 2
     out = torch.empty(x.shape[0], half, dtype=x.dtype, device=x.device)
     options = _paired_launch(x, weight, bias, 1 << 30)
-    norm_args, summed = _norm_launch(x, norm)
     _gate_up_silu_kernel[(triton.cdiv(half, options["PAIR"]),)](
         x, weight, bias if bias is not None else weight, out, x.shape[0], half, weight.shape[1],
-        x.stride(0), weight.stride(0), out.stride(0), **norm_args, **options)
-    return out, summed
+        x.stride(0), weight.stride(0), out.stride(0), **options)
+    return out
 
 
 def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
-                             num_heads: int, num_kv_heads: int,
-                             norm: PendingNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch.
     ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two half; cos, sin: ``[T, head_dim]`` or
-    None (no rotary); ``norm``: as in ``gate_up_silu``. Returns (q ``[T, heads, head_dim]``, the input before the
-    norm)."""
+    None (no rotary). Returns q ``[T, heads, head_dim]``."""
     tokens = x.shape[0]
     head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
     half = head_dim // 2
@@ -542,14 +483,13 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     has_rope = cos is not None
     options = _paired_launch(x, weight, bias, half)
-    norm_args, summed = _norm_launch(x, norm)
     _qkv_rope_cache_kernel[((num_heads + 2 * num_kv_heads) * half // options["PAIR"],)](
         x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
         flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
-        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1), **norm_args,
+        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options,
         **EXACT_ROUNDING)
-    return q, summed
+    return q
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

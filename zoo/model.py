@@ -437,10 +437,8 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, hidden, rope, pre_norm=None):
-        """``rope``: (rotary module, its tables for this step), or None without rotary positions. ``pre_norm``:
-        (RMSNorm, residual) still to apply to ``hidden`` (the layer's add and norm, which the q/k/v product folds
-        where it can); then returns (output, hidden + residual)."""
+    def forward(self, hidden, rope):
+        """``rope``: (rotary module, its tables for this step), or None without rotary positions."""
         meta = get_forward_context().attention
         tokens = hidden.shape[0]
         rotary, tables = rope if rope is not None else (None, None)
@@ -449,12 +447,10 @@ class Attention(nn.Module):
         joint = self.qkv_proj.joint if self.qkv_proj is not None and not self.qkv_proj.wrapped else None
         folds = (fused_rope and joint is not None and not isinstance(meta, DenseCausal)
                  and fused_ops.folds_into_projection(hidden, joint.weight))
-        hidden, pending, summed_input = resolve_norm(pre_norm, hidden, folds)
         if folds:
-            q, summed = fused_ops.qkv_rope_and_write_cache(
+            q = fused_ops.qkv_rope_and_write_cache(
                 hidden, joint.weight, joint.bias, cos, sin, self.kv_cache[0], self.kv_cache[1], meta.slot_mapping,
-                self.num_heads, self.num_kv_heads, pending)
-            summed_input = summed if pending is not None else summed_input
+                self.num_heads, self.num_kv_heads)
         else:
             if self.qkv_proj is not None:
                 q, k, v = self.qkv_proj(hidden)
@@ -467,8 +463,7 @@ class Attention(nn.Module):
                 if rotary is not None:
                     q, k = rotary(q, k, tables)
                 attended = meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
-                out = project(self.o_proj, attended, self.fused_projections)
-                return out if pre_norm is None else (out, summed_input)
+                return project(self.o_proj, attended, self.fused_projections)
             if fused_rope:
                 q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
                                                    meta.slot_mapping)
@@ -477,20 +472,7 @@ class Attention(nn.Module):
                     q, k = rotary(q, k, tables)
                 write_cache(k, v, self.kv_cache, meta.slot_mapping)
         out = paged_attention(q, self.kv_cache, meta, self.scale)
-        out = project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
-        return out if pre_norm is None else (out, summed_input)
-
-
-def resolve_norm(pre_norm, x: torch.Tensor, folds: bool):
-    """For a module handed ``pre_norm = (RMSNorm, residual)`` or None: (its input, the norm left to its folding
-    product or None, x + residual). Where the product does not fold it, the norm runs here."""
-    if pre_norm is None:
-        return x, None, None
-    norm, residual = pre_norm
-    if folds and fused_ops.FOLD_NORMS:
-        return x, fused_ops.PendingNorm(norm.weight, norm.eps, residual), None
-    normed, summed_input = add_norm(norm, x, residual)
-    return normed, None, summed_input
+        return project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
 
 
 class MLP(nn.Module):
@@ -508,28 +490,20 @@ class MLP(nn.Module):
         if self.gate_proj is not None:
             self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x, pre_norm=None):
-        """``pre_norm``: as in ``Attention.forward``; then returns (output, x + residual)."""
+    def forward(self, x):
         if self.gate_up_proj is not None and self.fused and self.act is F.silu:
             joint = self.gate_up_proj.joint
-            folds = not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight)
-            x, pending, summed_input = resolve_norm(pre_norm, x, folds)
-            if folds:
-                activated, summed = fused_ops.gate_up_silu(x, joint.weight, joint.bias, pending)
-                summed_input = summed if pending is not None else summed_input
+            if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight):
+                activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
             else:
                 activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
-            out = project(self.down_proj, activated, True)
-            return out if pre_norm is None else (out, summed_input)
-        x, _, summed_input = resolve_norm(pre_norm, x, False)
+            return project(self.down_proj, activated, True)
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x)
-            out = self.down_proj(self.act(gate) * up)
-        elif self.gate_proj is not None:
-            out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        else:
-            out = self.down_proj(self.act(self.up_proj(x)))
-        return out if pre_norm is None else (out, summed_input)
+            return self.down_proj(self.act(gate) * up)
+        if self.gate_proj is not None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -544,17 +518,12 @@ class DecoderLayer(nn.Module):
         self.residual_of_normed = desc.residual == "normed"
         self.residual_scale = desc.residual_scale
         self.parallel = None  # zoo.parallel.TensorParallel, set by DecoderModel.use_tensor_parallel
-        self.pre_norms_fold = False  # set by DecoderModel.use_fused_ops
 
     def _residual(self, normed, summed):
         return normed * self.residual_scale if self.residual_of_normed else summed
 
     def forward(self, hidden, residual, rope):
         """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
-        if self.pre_norms_fold and fused_ops.FOLD_NORMS and self.parallel is None:
-            # each add and norm left to the product after it, which runs it on the fly where it can
-            attended, hidden = self.self_attn(hidden, rope, pre_norm=(self.input_layernorm, residual))
-            return self.mlp(attended, pre_norm=(self.post_attention_layernorm, hidden))
         normed, hidden = add_norm(self.input_layernorm, hidden, residual)
         residual = self._residual(normed, hidden)
         attended = summed(self.parallel, self.self_attn(normed, rope))
@@ -646,10 +615,6 @@ class DecoderModel(nn.Module):
             elif isinstance(module, Attention):
                 module.fused = on and head_ok
                 module.fused_projections = on
-            if isinstance(module, DecoderLayer):  # the norms may move into the products after them
-                module.pre_norms_fold = (on and not module.residual_of_normed
-                                         and isinstance(module.input_layernorm, RMSNorm)
-                                         and isinstance(module.post_attention_layernorm, RMSNorm))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:  # this rank's vocabulary columns, then all of them on every rank
