@@ -48,12 +48,14 @@ PROJECTION_GEMV_MAX_ROWS = 4
 # Whether rotary with the cache write, and SiLU-and-mul, run in the epilogue of the product before them
 # (``qkv_rope_and_write_cache``, ``gate_up_silu``) wherever ``projection`` would stream that product's weights:
 # 32 launches fewer per decode step of a 16-layer model. In bf16 the H200 gave the separate kernels' bits, but for
-# rotary's one ulp, since removed with EXACT_ROUNDING (below; not yet rerun there); float32 parts in its last bits.
+# rotary's one ulp, since removed with EXACT_ROUNDING (below; the bit tests passed on the H200 in round 9);
+# float32 parts in its last bits.
 FOLD_INTO_PROJECTIONS = True
 # Whether an overlapped decode step's inputs advance in one kernel (``advance_decode_rows``) instead of about ten
 # PyTorch ops, each a launch the host pays for in every step. The same integers either way (checked on CPU in
-# Triton's interpreter, and compiled for sm_90 by bench/compile_sm90.py). Off until measured on a GPU:
-# `bench/profile_gpu_step.py --variants fold fold_advance` times it.
+# Triton's interpreter, and compiled for sm_90 by bench/compile_sm90.py). Off: on the H200 the graph replays were
+# unchanged (0.988x, within the spread) and the profile's host figures did not separate it
+# (bench/results/gpu/round9/profile_fold_norms_advance.txt, `--variants fold fold_advance`).
 ADVANCE_KERNEL = False
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
@@ -64,8 +66,9 @@ GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128,
 # bandwidth on the H200, the down product at 66%, gate/up at 89% (bench/results/gpu/round2/gemv.txt). The sweep
 # of round 9 (`bench/gemv_kernel.py --sweep`, bench/results/gpu/round9/gemv.txt): 8 columns, 1024 deep, 3 stages,
 # 2 warps took the o product from 4.06 to 3.39 us and q/k/v from 4.63 to 4.12; gate/up and the LM head gained
-# nothing (the widest outputs keep GEMV_CONFIGS'). A batch-1 decode graph replayed in 1.0074 against 1.0289 ms
-# (interleaved, bench/results/gpu/round9/profile_narrow.txt).
+# nothing (the widest outputs keep GEMV_CONFIGS'). The down product's output is 2048 wide too, so it takes the o
+# product's tile. A batch-1 decode graph replayed in 1.0074 against 1.0289 ms (interleaved,
+# bench/results/gpu/round9/profile_narrow.txt).
 GEMV_ONE_ROW_CONFIGS: dict[int, tuple] = {2048: (8, 1024, 3, 2), 4096: (8, 1024, 3, 2)}
 
 
