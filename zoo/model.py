@@ -95,7 +95,7 @@ class RaggedCausal:
         kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         keys = key_cache.view(-1, kv_heads, head_dim).index_select(0, self.key_slots)
         values = value_cache.view(-1, kv_heads, head_dim).index_select(0, self.key_slots)
-        queries = q if self.rows is None else q[self.rows]
+        queries = q if self.rows is None else q.index_select(0, self.rows)
         return varlen_attn(queries, keys, values, self.cu_queries, self.cu_keys, self.longest_query,
                            self.longest_keys, scale=scale, **VARLEN_CAUSAL)
 
