@@ -31,7 +31,7 @@
 #
 # Environment knobs: ROUNDS (gpu.py runs per tree, interleaved base/current then current/base; default 2),
 # GPU_TREES (default "base current"; "current" skips the base tree), GPU_CAP_S (per gpu.py run; default 300),
-# GPU_ARGS (default --skip-hf), CPU_ARGS (extra bench/throughput.py arguments; default none),
+# GPU_ARGS (default --skip-hf), GPU_ARGS_B (the even rounds' arguments instead, for an A/B in one call), CPU_ARGS (extra bench/throughput.py arguments; default none),
 # DEADLINE_S (stop starting work after this many seconds; default 570, under the run tool's 600 s limit),
 # PY (default python3), FORCE_DEPS_TARGET=1 (test the fallback that installs the wheels into /tmp/zoo_deps).
 #
@@ -202,10 +202,11 @@ fi
 
 # ---------------------------------------------------------------- (a) GPU benchmark, both trees, interleaved
 gpu_round() {  # gpu_round TREE ROUND
-  local t=$1 r=$2 script dir=$STAGE/$1/gpu_r$2
+  local t=$1 r=$2 script dir=$STAGE/$1/gpu_r$2 args=$GPU_ARGS
   if [ "$t" = base ]; then script=$ROOT/.carry/base/bench/gpu.py; else script=$ROOT/bench/gpu.py; fi
+  [ $((r % 2)) -eq 0 ] && [ -n "${GPU_ARGS_B:-}" ] && args=$GPU_ARGS_B
   # shellcheck disable=SC2086
-  run_part "gpu $t r$r" "${GPU_CAP_S:-300}" "$STAGE/$t/gpu_r$r.log" with_tree "$t" "$PY" "$script" $GPU_ARGS --out "$dir"
+  run_part "gpu $t r$r" "${GPU_CAP_S:-300}" "$STAGE/$t/gpu_r$r.log" with_tree "$t" "$PY" "$script" $args --out "$dir"
   cp "$dir"/gpu.md "$dir"/gpu.png "$OUT/$t/" 2>/dev/null
 }
 if want gpu; then

@@ -52,7 +52,8 @@ def start_server(args, port):
            *args.server_overrides] + (
                [f"model.path={args.model}"] if args.model else [])
     log = open(args.server_log, "w")  # a file, not a pipe: a pipe nobody reads would stall a chatty server
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+    pin = (lambda: os.sched_setaffinity(0, args.server_cpus)) if args.server_cpus else None  # its engine inherits it
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=pin,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     base_url = f"http://127.0.0.1:{port}/v1/"
     deadline = time.time() + 180
@@ -233,7 +234,19 @@ def main() -> int:
                    help="sample the engine process with py-spy during the widest level; collapsed stacks to FILE")
     p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
                    help="spread each level's clients over this many processes (default: a quarter of the cores)")
+    p.add_argument("--server-cpus", type=int, nargs="+", default=None, metavar="CPU",
+                   help="run the server (HTTP and engine processes) and LLM.generate on these cores and the clients on "
+                        "the others, so that the load generator takes nothing from the system under test and both "
+                        "engines get the same cores (e.g. --server-cpus 1 on a 2-core machine)")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="then N pairs, each the widest level and one LLM.generate run (built beside the idle server), "
+                        "and the median of their ratios: on a machine whose speed drifts, the fair comparison")
     args = p.parse_args()
+    if args.server_cpus:
+        clients = set(os.sched_getaffinity(0)) - set(args.server_cpus)
+        if not clients or not set(args.server_cpus) <= os.sched_getaffinity(0):
+            raise SystemExit(f"--server-cpus {args.server_cpus}: name cores of {sorted(os.sched_getaffinity(0))} "
+                             "and leave at least one for the clients")
     if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
         import tempfile
         from pathlib import Path
@@ -254,6 +267,9 @@ def main() -> int:
     from zoo.engine_process import free_port
 
     proc, base_url, model = start_server(args, free_port())
+    if args.server_cpus:
+        os.sched_setaffinity(0, clients)  # this process's client threads and the client processes it spawns
+    pairs = []
     try:
         one_request(base_url, model, prompts[0], 4, [])
         print(f"first request done; the server's log so far:\n{server_log_tail(args)}", flush=True)
@@ -270,55 +286,93 @@ def main() -> int:
                                         "--rate", "250", "--format", "raw", "--output", args.py_spy,
                                         "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 time.sleep(1)  # attached before the level starts
-            levels.append(run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens,
-                                    concurrency, pids, args.client_processes))
+            levels.append(measured_level(args, proc, base_url, model, prompts, concurrency))
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
                 spy.wait(timeout=60)
-            r = levels[-1]
-            if r is None:
-                raise SystemExit(f"requests failed at concurrency {concurrency}; the server's last lines:\n"
-                                 f"{server_log_tail(args)}")
-            print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
-                  f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms, TPOT mean {r['tpot_mean_ms']:.2f} ms; "
-                  "cores busy: " + ", ".join(f"{name} {busy:.2f}" for name, busy in r["cpu_cores_busy"].items()),
-                  flush=True)
+        if args.interleave:
+            # The widest level and LLM.generate taking turns while the server idles, so that a machine whose speed
+            # drifts compares them within minutes; LLM.generate computes on the server's cores.
+            offline = OfflineEngine(args, prompts)
+            for _ in range(args.interleave):
+                served = measured_level(args, proc, base_url, model, prompts, max(args.concurrency))
+                alone = offline.run()
+                pairs.append({"serve_output_tok_s": served["output_tok_s"], "offline_output_tok_s": alone,
+                              "ratio": served["output_tok_s"] / alone, "cpu_cores_busy": served["cpu_cores_busy"]})
+                print(f"  pair {len(pairs)}: LLM.generate {alone:.0f} output tok/s, serve / offline = "
+                      f"{pairs[-1]['ratio']:.2f}", flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
-    if args.skip_offline:
+    if args.skip_offline and not pairs:
         return 0
-    from zoo import LLM, SamplingParams
-
-    runtime = {key: json_or_text(value) for key, value in (kv.split("=", 1) for kv in args.runtime)}
-    if args.offline_threads:
-        import torch
-
-        torch.set_num_threads(args.offline_threads)
-    llm = LLM(args.model, max_num_seqs=max(args.concurrency), **runtime)
-    params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up
-    runs = []
-    for _ in range(max(1, args.offline_rounds)):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        runs.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
-    offline = statistics.median(runs)
+    if pairs:
+        runs = [pair["offline_output_tok_s"] for pair in pairs]
+    else:
+        offline = OfflineEngine(args, prompts)
+        runs = [offline.run() for _ in range(max(1, args.offline_rounds))]
+    median_offline = statistics.median(runs)
     import torch
 
     print(f"LLM.generate, the {len(prompts)} requests of the widest level at once (max_num_seqs "
-          f"{max(args.concurrency)}, {torch.get_num_threads()} compute threads): {offline:.0f} output tok/s, "
-          "the median of "
-          + ", ".join(f"{r:.0f}" for r in runs))
+          f"{max(args.concurrency)}, {torch.get_num_threads()} compute threads): {median_offline:.0f} output tok/s, "
+          "the median of " + ", ".join(f"{r:.0f}" for r in runs))
     for r in levels:
-        r["ratio_to_offline"] = r["output_tok_s"] / offline
+        r["ratio_to_offline"] = r["output_tok_s"] / median_offline
         print(f"  concurrency {r['concurrency']}: serve / offline = {r['ratio_to_offline']:.2f}")
+    if pairs:
+        ratios = sorted(pair["ratio"] for pair in pairs)
+        print(f"  concurrency {max(args.concurrency)}, {len(pairs)} interleaved pairs: serve / offline median "
+              f"{statistics.median(ratios):.2f} (" + ", ".join(f"{r:.2f}" for r in ratios) + ")")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "levels": levels, "offline_output_tok_s": offline,
-                       "offline_threads": torch.get_num_threads(),
-                       "offline_runs_tok_s": runs}, f, indent=1)
+            json.dump({"command": " ".join(sys.argv), "levels": levels, "offline_output_tok_s": median_offline,
+                       "offline_threads": torch.get_num_threads(), "server_cpus": args.server_cpus,
+                       "offline_runs_tok_s": runs, "interleaved_pairs": pairs}, f, indent=1)
     return 0
+
+
+def measured_level(args, proc, base_url, model, prompts, concurrency) -> dict:
+    r = run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens, concurrency,
+                  process_group(proc.pid), args.client_processes)
+    if r is None:
+        raise SystemExit(f"requests failed at concurrency {concurrency}; the server's last lines:\n"
+                         f"{server_log_tail(args)}")
+    print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
+          f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms, "
+          f"TPOT mean {r['tpot_mean_ms']:.2f} ms; cores busy: "
+          + ", ".join(f"{name} {busy:.2f}" for name, busy in r["cpu_cores_busy"].items()), flush=True)
+    return r
+
+
+class OfflineEngine:
+    """The widest level's requests through ``LLM.generate`` in this process, on the server's cores when
+    ``--server-cpus`` pins them (the clients' cores otherwise stay this process's between runs)."""
+
+    def __init__(self, args, prompts):
+        import torch
+
+        from zoo import LLM, SamplingParams
+
+        self.args, self.prompts = args, prompts
+        if args.offline_threads or args.server_cpus:
+            torch.set_num_threads(args.offline_threads or len(args.server_cpus))
+        runtime = {key: json_or_text(value) for key, value in (kv.split("=", 1) for kv in args.runtime)}
+        self.llm = LLM(args.model, max_num_seqs=max(args.concurrency), **runtime)
+        self.params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+        self.run(prompts[:2])  # warm-up
+
+    def run(self, prompts=None) -> float:
+        """One run; output tokens per second."""
+        before = os.sched_getaffinity(0)
+        if self.args.server_cpus:
+            os.sched_setaffinity(0, self.args.server_cpus)
+        try:
+            start = time.perf_counter()
+            outs = self.llm.generate(prompts or self.prompts, self.params)
+            return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+        finally:
+            os.sched_setaffinity(0, before)
 
 
 if __name__ == "__main__":

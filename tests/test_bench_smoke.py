@@ -62,9 +62,28 @@ def test_arrivals_script_runs_variants_interleaved():
     script = SCRIPT.parent / "arrivals.py"
     proc = subprocess.run([sys.executable, str(script), "--requests", "12", "--concurrency", "4", "--max-tokens", "20",
                            "--rounds", "2", "--threads", "1", "--variants", "runner.fresh_causal_path=false",
-                           "default"], capture_output=True, text=True, timeout=180)
+                           "default", "offline"], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rounds = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
-    assert len(rounds) == 4 and all("mixed" in line for line in rounds)
+    assert len(rounds) == 6 and all("mixed" in line for line in rounds)
     summary = [line for line in proc.stdout.splitlines() if line.startswith("  ")]
-    assert len(summary) == 2 and all(line.endswith("same tokens") for line in summary), proc.stdout
+    # `offline` adds every request at once, as LLM.generate does: the same greedy tokens
+    assert len(summary) == 3 and all(line.endswith("same tokens") for line in summary), proc.stdout
+
+
+def test_serve_script_pins_the_server_and_interleaves_the_offline_engine(tmp_path):
+    """bench/serve.py: a server on its own core (where the machine has two), a level, then pairs of the widest
+    level and LLM.generate taking turns; every request completes and the ratios are written."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "serve.json"
+    args = [sys.executable, str(SCRIPT.parent / "serve.py"), "--concurrency", "4", "--rounds", "2", "--max-tokens", "8",
+            "--interleave", "2", "--out", str(out)] + (["--server-cpus", str(cores[-1])] if len(cores) > 1 else [])
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["levels"][0]["requests"] == 8 and record["levels"][0]["output_tok_s"] > 0
+    assert len(record["interleaved_pairs"]) == 2 and all(pair["ratio"] > 0 for pair in record["interleaved_pairs"])
+    if len(cores) > 1:  # LLM.generate computed on the server's one core
+        assert record["server_cpus"] == [cores[-1]] and record["offline_threads"] == 1

@@ -204,6 +204,14 @@ def engine_threads(setting: int | None, world: int, cores: int) -> int:
     return setting if setting is not None else max(1, (cores - 1) // world)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (``taskset``, a container's cpuset), not all the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def engine_process(config: dict, conn, rank: int = 0, world: int = 1, port: int = 0) -> None:
     """One engine process (one tensor-parallel rank of ``world``): builds the LLM, tells the HTTP process what it
     serves (rank 0, the one with ``conn``), then runs :class:`EngineLoop`."""
@@ -224,7 +232,7 @@ def engine_process(config: dict, conn, rank: int = 0, world: int = 1, port: int 
 
     import torch
 
-    torch.set_num_threads(engine_threads(config["server"].get("engine_threads"), world, os.cpu_count() or 1))
+    torch.set_num_threads(engine_threads(config["server"].get("engine_threads"), world, usable_cores()))
     try:
         from zoo.llm import LLM
 
