@@ -231,7 +231,8 @@ def main() -> int:
                         "computes on the cores less one (server.engine_threads)")
     p.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
     p.add_argument("--py-spy", default=None, metavar="FILE",
-                   help="sample the engine process with py-spy during the widest level; collapsed stacks to FILE")
+                   help="sample a server process with py-spy during the widest level; collapsed stacks to FILE")
+    p.add_argument("--py-spy-process", choices=("engine", "http"), default="engine", help="the process --py-spy samples")
     p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
                    help="spread each level's clients over this many processes (default: a quarter of the cores)")
     p.add_argument("--server-cpus", type=int, nargs="+", default=None, metavar="CPU",
@@ -280,9 +281,9 @@ def main() -> int:
         levels = []
         for concurrency in args.concurrency:
             spy, pids = None, process_group(proc.pid)
-            if args.py_spy and concurrency == max(args.concurrency) and "engine" in pids:
+            if args.py_spy and concurrency == max(args.concurrency) and args.py_spy_process in pids:
                 spy_binary = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-                spy = subprocess.Popen([spy_binary, "record", "--pid", str(pids["engine"]),
+                spy = subprocess.Popen([spy_binary, "record", "--pid", str(pids[args.py_spy_process]),
                                         "--rate", "250", "--format", "raw", "--output", args.py_spy,
                                         "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 time.sleep(1)  # attached before the level starts
