@@ -154,7 +154,7 @@ def test_glm_bidirectional_prefixes_and_drafts_stay_eager(checkpoints, monkeypat
 
 
 def test_mixed_buckets_follow_the_setting_the_token_budget_and_the_decode_kernel(checkpoints):
-    llm = LLM(str(checkpoints["llama"][0]), max_num_batched_tokens=300)
+    llm = LLM(str(checkpoints["llama"][0]), max_num_batched_tokens=300, device="cpu")
     graphs = llm.engine.runner.graphs
     assert graphs.mixed_buckets(512) == []  # no decode kernel on CPU
     llm.engine.runner.decode_kernel = True
