@@ -47,6 +47,18 @@ def save_prompt_tuning(base, folder, n, seed):
     return model.eval()
 
 
+def scale_folded_into_b(model):
+    """A copy of a peft model whose LoRA layers compute B' (A x) with B' = scale x B and scale 1: the same adapter,
+    rounded as zoo (and vLLM) round it in bf16, where peft rounds B (A x) and then its product with the scale."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if hasattr(module, "lora_B") and hasattr(module, "scaling"):
+            for name in list(module.scaling):
+                module.lora_B[name].weight.data *= module.scaling[name]
+                module.scaling[name] = 1.0
+    return model
+
+
 class Family:
     """A tiny base checkpoint with four adapters made by peft, and their peers."""
 
@@ -103,6 +115,17 @@ def check_against_peft(family: Family, llm: LLM, prompts, logprobs=True) -> None
         if logprobs:
             got = [step["logprob"] for step in out.logprobs]
             assert max(abs(a - b) for a, b in zip(got, logprobs_ref)) < LOGPROB_TOL, request.get("adapter")
+
+
+def test_the_peer_with_the_scale_folded_into_b_is_the_same_adapter(families):
+    """The bf16 GPU test's peer (scale_folded_into_b) computes what peft computes, in float32."""
+    family = families["llama"]
+    for adapter in ("r4", "r8"):
+        peer, folded = family.peers[adapter], scale_folded_into_b(family.peers[adapter])
+        assert all(scale == 1.0 for m in folded.modules() if hasattr(m, "lora_B") for scale in m.scaling.values())
+        ids = torch.tensor([prompt_set()[0]])
+        with torch.no_grad():
+            torch.testing.assert_close(folded(input_ids=ids).logits, peer(input_ids=ids).logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])

@@ -5,8 +5,6 @@ Skipped on machines without CUDA (CI); run with ``ZOO_DEVICE=cuda python -m pyte
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -242,13 +240,6 @@ def test_contract_plugins_under_cuda_graphs(checkpoints):
 BF16_TIE = 0.05  # log-probability gap under which two bf16 candidates count as a near-tie
 
 
-def bf16_tie(best_logit: float) -> float:
-    """The near-tie bound where both sides' logits are bf16: BF16_TIE, or two steps of bf16 at the best logit's
-    magnitude where those are wider. bf16 keeps 8 significant bits, so logits from 8 to 16 lie 0.0625 apart and
-    two candidates one step apart in either side's rounding are a tie that 0.05 would not admit."""
-    return max(BF16_TIE, 2 * 2.0 ** (math.floor(math.log2(abs(best_logit))) - 7))
-
-
 @pytest.mark.parametrize("method", ["medusa", "lookahead"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_steps_replay_as_graphs(checkpoints, dtype, method):
@@ -361,12 +352,12 @@ def adapter_family(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_adapters_under_cuda_graphs(adapter_family, dtype):
     """Base, two LoRAs and prompt tuning in one batch with graphs on: peft's tokens in float32; in bf16 a
-    difference is allowed only where peft's top two candidates were a near-tie, peft in bf16 on the GPU too (a
-    float32 peer's model is another model: bf16's rounding of the weights alone moved a LoRA request's best token
-    by 0.126 in log-probability, bench/results/gpu/round9/adapters_fp_fusion.txt)."""
-    import copy
-
-    from test_adapters import MAX_NEW, mixed_requests
+    difference is allowed only where peft's top two candidates were a near-tie, with peft in bf16 on the GPU too
+    and each LoRA's scale folded into its B, as zoo (and vLLM) fold it. A float32 peer is another model in bf16
+    terms (peft's own bf16 and float32 runs part by 0.126 on the r8 adapter), and so is peft's order of rounding
+    (the scale after B's product): on CPU, 40 r8 requests in bf16 matched it in 14 and parted by up to 0.14; the
+    folded peer matched 30, and one parting of ten exceeded 0.05 (bench/results/adapters/bf16_rounding_order.txt)."""
+    from test_adapters import MAX_NEW, mixed_requests, scale_folded_into_b
 
     llm = adapter_family.llm(device="cuda", dtype=dtype)
     assert llm.engine.uses_cuda_graphs
@@ -391,7 +382,7 @@ def test_adapters_under_cuda_graphs(adapter_family, dtype):
         for request, out in zip(tuned, alone):
             assert out.token_ids == adapter_family.reference("prompt", request["prompt_ids"])[0]
     near_ties, device = 0, "cpu" if dtype == "float32" else "cuda"
-    peers = {name: model if dtype == "float32" else copy.deepcopy(model).to(device, getattr(torch, dtype))
+    peers = {name: model if dtype == "float32" else scale_folded_into_b(model).to(device, getattr(torch, dtype))
              for name, model in adapter_family.peers.items()}
     for request, out in zip(requests, outputs):
         model, ids = peers[request.get("adapter")], list(request["prompt_ids"])
@@ -403,9 +394,7 @@ def test_adapters_under_cuda_graphs(adapter_family, dtype):
             if int(best.indices[0]) != token:
                 assert dtype == "bfloat16", (request.get("adapter"), k)
                 lp = torch.log_softmax(logits, -1)
-                bound = bf16_tie(float(best.values[0]))
-                assert float(lp[best.indices[0]] - lp[token]) < bound, (request.get("adapter"), k,
-                                                                        float(best.values[0]), bound)
+                assert float(lp[best.indices[0]] - lp[token]) < BF16_TIE, (request.get("adapter"), k)
                 near_ties += 1
                 break
             ids.append(token)
