@@ -367,15 +367,17 @@ class OfflineEngine:
 
     def run(self, prompts=None) -> float:
         """One run; output tokens per second."""
-        before = os.sched_getaffinity(0)
-        if self.args.server_cpus:
+        pinned = bool(self.args.server_cpus)
+        if pinned:
+            before = os.sched_getaffinity(0)
             os.sched_setaffinity(0, self.args.server_cpus)
         try:
             start = time.perf_counter()
             outs = self.llm.generate(prompts or self.prompts, self.params)
             return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
         finally:
-            os.sched_setaffinity(0, before)
+            if pinned:
+                os.sched_setaffinity(0, before)
 
 
 if __name__ == "__main__":
