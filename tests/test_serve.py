@@ -658,3 +658,19 @@ def test_a_stream_never_shows_text_a_stop_string_cuts(served, local):
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == reply.choices[0].text == text[:text.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_engine_computes_on_the_cores_it_may_use_less_one_for_http():
+    """server.engine_threads: a setting wins; else the cores this process may run on (taskset, a cpuset), less one
+    for the HTTP process, shared by the tensor-parallel ranks, at least one."""
+    from zoo.engine_process import engine_threads, usable_cores
+
+    assert usable_cores() == len(os.sched_getaffinity(0))
+    assert engine_threads(3, 1, 2) == 3
+    assert [engine_threads(None, 1, cores) for cores in (1, 2, 8)] == [1, 1, 7]
+    assert engine_threads(None, 2, 9) == 4
+    if shutil.which("taskset"):  # a process started on one core counts one
+        script = "from zoo.engine_process import usable_cores; print(usable_cores())"
+        pinned = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-c", script],
+                                capture_output=True, text=True, timeout=60)
+        assert pinned.stdout.strip() == "1", pinned.stderr
