@@ -100,6 +100,8 @@ def one_request(base_url, model, prompt, max_tokens, record):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the stream's error event: the request failed, and the level with it
+                raise RuntimeError(f"the server's stream ended in an error: {chunk['error']}")
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
             if chunk.get("usage"):

@@ -437,7 +437,7 @@ def test_a_dead_engine_process_ends_streams_with_an_error_and_health_says_so(mod
                 if len(lines) == 2:
                     os.kill(engine_process_of(server), signal.SIGKILL)
         assert lines[-1] == "data: [DONE]"
-        assert "the engine process stopped" in lines[-2]
+        assert "the engine process stopped (exit status -9)" in lines[-2]  # the stream says how it ended
         assert httpx.get(server.url + "/health").status_code == 503
         reply = raw(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key=None)
         assert reply.status_code == 503 and "engine process has stopped" in reply.json()["error"]["message"]

@@ -313,6 +313,7 @@ class EngineClient:
         self.submissions: dict[int, Submission] = {}
         self.next_ident = 0
         self.send_lock = threading.Lock()
+        self.stopping = False  # stop() was called: the pipe's end is expected
         self.reader = threading.Thread(target=self._read, name="zoo-engine-reader", daemon=True)
         self.reader.start()
 
@@ -333,6 +334,7 @@ class EngineClient:
             self._send(("abort", submission.ident))
 
     def stop(self) -> None:
+        self.stopping = True
         self._send(("stop", None))
         for process in self.ranks:
             process.join(timeout=60)
@@ -350,7 +352,13 @@ class EngineClient:
         while True:
             try:
                 _, events, state = self.conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError) as exc:
+                self.process.join(timeout=5)
+                status = self.process.exitcode
+                cause = f"exit status {status}" if status is not None else repr(exc)
+                failure = f"the engine process stopped ({cause})"
+                if not self.stopping:  # the server's log says why its streams ended
+                    print(f"error: {failure}", file=sys.stderr, flush=True)
                 break
             self.state = state
             by_loop: dict = {}
@@ -366,8 +374,7 @@ class EngineClient:
             for loop, batch in by_loop.items():
                 loop.call_soon_threadsafe(_deliver, batch)
         for submission in list(self.submissions.values()):  # every request still waiting fails, none hangs
-            submission.loop.call_soon_threadsafe(_deliver, [(submission.events, (
-                "error", "the engine process stopped"))])
+            submission.loop.call_soon_threadsafe(_deliver, [(submission.events, ("error", failure))])
 
 
 def free_port() -> int:
