@@ -353,7 +353,7 @@ class EngineClient:
             try:
                 _, events, state = self.conn.recv()
             except (EOFError, OSError) as exc:
-                self.process.join(timeout=5)
+                self.process.join(timeout=1)  # reaped, so that its exit status is known
                 status = self.process.exitcode
                 cause = f"exit status {status}" if status is not None else repr(exc)
                 failure = f"the engine process stopped ({cause})"
