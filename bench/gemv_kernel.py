@@ -3,7 +3,9 @@
     python bench/gemv_kernel.py [--sweep] [--out FILE]
 
 Each timing replays a CUDA graph of 20 calls, as decode steps do, so launch costs stay out of it; figures are
-microseconds per call and the weight bytes read per second. ``--sweep`` first tries tile configurations at 1
+microseconds per call and the weight bytes read per second. ``--cold`` cycles each product's calls over copies of its weights (at least 200 MB in all, four times the
+H200's 50 MB L2), so that no call finds its weights in L2 as a decode step's products never do; without it the
+q/k/v, o and down weights (8-34 MB) stay in L2 from one call to the next. ``--sweep`` first tries tile configurations at 1
 and 16 rows and prints the best per shape (the values for fused_ops.GEMV_CONFIGS), then, at 1 row, tiles
 narrower than tensor cores take (4 or 8 columns, products summed in float32: fused_ops.GEMV_ONE_ROW_CONFIGS)
 against the best of those.
@@ -27,12 +29,14 @@ from decode_kernel import Report, graph_time  # noqa: E402
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
           "lm_head": (128256, 2048)}
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+COLD_BYTES = 200 << 20  # --cold: weight copies of at least this much per product, four times the H200's L2
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--cold", action="store_true", help="the last table with weights L2 cannot hold between calls")
     args = p.parse_args()
     say = Report()
 
@@ -81,15 +85,19 @@ def main() -> int:
             say(f"| {name} {tuple(w.shape)} | {best[1]} | {best[0]:.2f} | {nbytes / best[0] / 1e6:.2f} | {wide:.2f} "
                 f"| {cublas:.2f} |")
     fused_ops.GEMV_MAX_ROWS = max(ROWS)
-    say(f"configs {fused_ops.GEMV_CONFIGS}")
+    say(f"configs {fused_ops.GEMV_CONFIGS}, one-row {fused_ops.GEMV_ONE_ROW_CONFIGS}; weights "
+        + ("cycled over copies that L2 cannot hold (--cold)" if args.cold else "the same in every call"))
     say("| shape | rows | kernel us | kernel TB/s | cuBLAS us | cuBLAS TB/s | cuBLAS / kernel |")
     say("|---|---|---|---|---|---|---|")
     for name, w in weights.items():
         nbytes = w.numel() * w.element_size()
+        copies = [w] + [w.clone() for _ in range(min(19, -(-COLD_BYTES // nbytes) - 1))] if args.cold else [w]
         for rows in ROWS:
             x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            ours = graph_time(lambda: fused_ops.linear(x, w))
-            cublas = graph_time(lambda: torch.nn.functional.linear(x, w))
+            turn = itertools.cycle(copies)  # each captured call reads the next copy
+            ours = graph_time(lambda: fused_ops.linear(x, next(turn)))
+            turn = itertools.cycle(copies)
+            cublas = graph_time(lambda: torch.nn.functional.linear(x, next(turn)))
             say(f"| {name} | {rows} | {ours:.2f} | {nbytes / ours / 1e6:.2f} | {cublas:.2f} | "
                 f"{nbytes / cublas / 1e6:.2f} | {cublas / ours:.2f} |")
     if args.out:
