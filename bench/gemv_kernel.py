@@ -3,10 +3,10 @@
     python bench/gemv_kernel.py [--sweep] [--out FILE]
 
 Each timing replays a CUDA graph of 20 calls, as decode steps do, so launch costs stay out of it; figures are
-microseconds per call and the weight bytes read per second. ``--cold`` cycles each product's calls over copies of its weights (at least 200 MB in all, four times the
-H200's 50 MB L2), so that no call finds its weights in L2 as a decode step's products never do; without it the
-q/k/v, o and down weights (8-34 MB) stay in L2 from one call to the next. ``--sweep`` first tries tile configurations at 1
-and 16 rows and prints the best per shape (the values for fused_ops.GEMV_CONFIGS), then, at 1 row, tiles
+microseconds per call and the weight bytes read per second. ``--cold`` cycles each product's calls over copies
+of its weights (at least 200 MB in all, four times the H200's 50 MB L2), so that no call finds its weights in L2,
+as a decode step's products never do; without it the q/k/v, o and down weights (8-34 MB) stay in L2 from one call
+to the next. ``--sweep`` first tries tile configurations at 1 and 16 rows and prints the best per shape (the values for fused_ops.GEMV_CONFIGS), then, at 1 row, tiles
 narrower than tensor cores take (4 or 8 columns, products summed in float32: fused_ops.GEMV_ONE_ROW_CONFIGS)
 against the best of those.
 """
