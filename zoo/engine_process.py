@@ -197,10 +197,10 @@ class EngineLoop:
 
 def engine_threads(setting: int | None, world: int, cores: int) -> int:
     """Compute threads of each engine process: ``server.engine_threads``, else the ``cores`` it may use
-    (`usable_cores`) less one for the HTTP process, shared by the ``world`` ranks, at least one. On a 2-core CPU at 64 streaming clients, an
-    engine computing on both cores kept 1.3-1.4 of them busy for 4575 tok/s (the median of three) against 5148 on
-    0.9-1.0 with one thread, and at 16 clients 4282 against 5346: its threads waited on each other while the HTTP
-    process and the clients held a core (bench/results/serve/cpu_engine_threads_ab.txt)."""
+    (`usable_cores`) less one for the HTTP process, shared by the ``world`` ranks, at least one. On a 2-core CPU
+    at 64 streaming clients, an engine computing on both cores kept 1.3-1.4 of them busy for 4575 tok/s (the median
+    of three) against 5148 on 0.9-1.0 with one thread, and at 16 clients 4282 against 5346: its threads waited on
+    each other while the HTTP process and the clients held a core (bench/results/serve/cpu_engine_threads_ab.txt)."""
     return setting if setting is not None else max(1, (cores - 1) // world)
 
 
