@@ -46,6 +46,7 @@ def signature(kernel, pointers: dict[str, str]) -> dict[str, str]:
 
 
 PDL = dict(PDL=True)
+PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST)  # the weight-streaming kernels
 # (name, kernel, pointers not bf16 ("*": all of them), constexprs, launch options)
 CASES = [
     ("add_rms_norm", fused_ops._add_rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=2048, **PDL), {}),
@@ -54,21 +55,21 @@ CASES = [
      fused_ops.EXACT_ROUNDING),
     ("silu_mul", fused_ops._silu_mul_kernel, {}, dict(BLOCK=1024, **PDL), {}),
     ("gemv tensor cores", fused_ops._gemv_kernel, {},
-     dict(HAS_BIAS=True, ROUND_TO=tl.bfloat16, IEEE=False, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **PDL), {}),
+     dict(HAS_BIAS=True, ROUND_TO=tl.bfloat16, IEEE=False, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **PRODUCT), {}),
     ("gemv narrow, one row", fused_ops._gemv_kernel, {},
-     dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, **PDL), {}),
+     dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, **PRODUCT), {}),
     ("gemv float32", fused_ops._gemv_kernel, {"X": "*fp32", "W": "*fp32", "Bias": "*fp32", "Out": "*fp32"},
-     dict(HAS_BIAS=False, ROUND_TO=tl.float32, IEEE=True, DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, **PDL), {}),
+     dict(HAS_BIAS=False, ROUND_TO=tl.float32, IEEE=True, DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, **PRODUCT), {}),
     ("gate_up_silu", fused_ops._gate_up_silu_kernel, {},
-     dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, **PDL), {}),
+     dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, **PRODUCT), {}),
     ("gate_up_silu, narrow", fused_ops._gate_up_silu_kernel, {},
-     dict(HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PDL), {}),
+     dict(HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), {}),
     ("qkv_rope_cache", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=True,
-          BLOCK_M=16, PAIR=16, BLOCK_K=512, **PDL), fused_ops.EXACT_ROUNDING),
+          BLOCK_M=16, PAIR=16, BLOCK_K=512, **PRODUCT), fused_ops.EXACT_ROUNDING),
     ("qkv_rope_cache, narrow", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=True, IEEE=False, DOT=False,
-          BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PDL), fused_ops.EXACT_ROUNDING),
+          BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), fused_ops.EXACT_ROUNDING),
     ("argmax chunks", fused_ops._argmax_chunk_kernel, {"Logits": "*fp32", "Values": "*fp32", "Indices": "*i32"},
      dict(BLOCK=fused_ops.ARGMAX_BLOCK, **PDL), {}),
     ("argmax rows", fused_ops._argmax_rows_kernel, {"Values": "*fp32", "Indices": "*i32", "Out": "*i64"},
@@ -106,8 +107,11 @@ def main() -> int:
             print(f"FAILED {name}:\n{traceback.format_exc()}", flush=True)
             continue
         ptx = compiled.asm["ptx"]
-        print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions",
-              flush=True)
+        # global loads issued before the PDL wait: only the weight-streaming kernels' first weight tile
+        before_wait = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
+        early = sum(before_wait.count(op) for op in ("ld.global", "cp.async"))
+        print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions, "
+              f"{early} global loads before the PDL wait", flush=True)
     if failed:
         print(f"{len(failed)} of {len(CASES)} kernels failed to compile for sm_90: {', '.join(failed)}")
         return 1

@@ -51,7 +51,8 @@ class Report:
 
     def write(self, path) -> None:
         with open(path, "w") as f:
-            f.write(f"Command (H200): python3 {' '.join(sys.argv)}\n" + "\n".join(self.lines) + "\n")
+            device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+            f.write(f"Command ({device}): python3 {' '.join(sys.argv)}\n" + "\n".join(self.lines) + "\n")
 
 
 def graph_time(fn, calls: int = 20, replays: int = 10) -> float:

@@ -41,7 +41,7 @@ from gpu import write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={})
+            one_row={}, one_row_max_k=1 << 62, weights_first=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {2048: (8, 1024, 3, 2), 4096: (8, 1024, 3, 2)}
@@ -61,8 +61,18 @@ VARIANTS = {
     # zoo's defaults (fused_ops, triton_attention), and the same without programmatic dependent launch: under PDL
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
-    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O),
-    "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=NARROW_O),
+    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O, weights_first=True),
+    "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=NARROW_O,
+                           weights_first=True),
+    # Round 11: the products' first weight tile loaded before the PDL wait (fused_ops.WEIGHTS_FIRST); the down
+    # product (8192 deep) on GEMV_CONFIGS' tile at one row (`bench/gemv_kernel.py --cold` on the H100: 14.9 against
+    # 16.3 us); and whole 2048-deep rows as one tile, all loaded before the wait
+    "round10": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O),
+    "weights_first": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O, weights_first=True),
+    "wf_down_wide": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O, weights_first=True,
+                         one_row_max_k=4096),
+    "wf_whole_rows": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
+                          one_row={2048: (8, 2048, 1, 4), 4096: (8, 2048, 1, 4)}, one_row_max_k=4096),
 }
 TRITON_ARGMAX = None
 
@@ -80,6 +90,8 @@ def apply(variant: dict) -> None:
     fused_ops.FOLD_INTO_PROJECTIONS = variant["fold"]
     fused_ops.ADVANCE_KERNEL = variant["advance"]
     fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
+    fused_ops.GEMV_ONE_ROW_MAX_K = variant["one_row_max_k"]
+    fused_ops.WEIGHTS_FIRST = variant["weights_first"]
 
 
 def main() -> int:

@@ -70,6 +70,14 @@ GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128,
 # product's tile. A batch-1 decode graph replayed in 1.0074 against 1.0289 ms (interleaved,
 # bench/results/gpu/round9/profile_narrow.txt).
 GEMV_ONE_ROW_CONFIGS: dict[int, tuple] = {2048: (8, 1024, 3, 2), 4096: (8, 1024, 3, 2)}
+# The deepest product (K) that takes GEMV_ONE_ROW_CONFIGS' tiles; deeper ones keep GEMV_CONFIGS'.
+GEMV_ONE_ROW_MAX_K = 1 << 62
+
+
+# Whether the weight-streaming kernels load their first weight tile before waiting for the kernel before them
+# (programmatic dependent launch): weights are never written inside a step, so that tile streams while the
+# kernel before finishes, and a product after a short kernel (attention, a norm) starts with part of its bytes in.
+WEIGHTS_FIRST = True
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
@@ -80,10 +88,11 @@ GEMV_ONE_ROW_CONFIGS: dict[int, tuple] = {2048: (8, 1024, 3, 2), 4096: (8, 1024,
 EXACT_ROUNDING = {"enable_fp_fusion": False}
 
 
-def gemv_config(n: int, rows: int | None = None) -> tuple:
-    """(BLOCK_N, BLOCK_K, num_stages, num_warps) for an output ``n`` wide: at one row GEMV_ONE_ROW_CONFIGS' where
-    it has a width that covers ``n``, else GEMV_CONFIGS'."""
-    if rows == 1:
+def gemv_config(n: int, rows: int | None = None, k: int = 0) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_stages, num_warps) for an output ``n`` wide and ``k`` deep: at one row
+    GEMV_ONE_ROW_CONFIGS' where it has a width that covers ``n`` and ``k`` is at most GEMV_ONE_ROW_MAX_K, else
+    GEMV_CONFIGS'."""
+    if rows == 1 and k <= GEMV_ONE_ROW_MAX_K:
         one_row = next((config for width, config in sorted(GEMV_ONE_ROW_CONFIGS.items()) if n <= width), None)
         if one_row is not None:
             return one_row
@@ -183,39 +192,55 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
+    def _tile_product(acc, x, w, IEEE: tl.constexpr, DOT: tl.constexpr):
+        if not DOT:  # a tile narrower than tensor cores take (see row_tile)
+            return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        elif IEEE:  # float32 models: no TF32 rounding of the operands
+            return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            return acc + tl.dot(x, tl.trans(w))
+
+    @triton.jit
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
                         IEEE: tl.constexpr, DOT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32.
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+        # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32. Waits for the
+        # kernel before (PDL) after loading the first weight tile when WEIGHTS_FIRST: no kernel of a step writes
+        # weights, so their first bytes may stream while that kernel finishes.
         offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for start in range(0, k, BLOCK_K):
+        k_ok = offs_k < k
+        w_first = W + cols[:, None] * stride_w + offs_k[None, :]
+        if WEIGHTS_FIRST:
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            wait_for_previous_kernel(PDL)
+        else:
+            wait_for_previous_kernel(PDL)
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + offs_m[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, IEEE, DOT)
+        for start in range(BLOCK_K, k, BLOCK_K):
             ks = start + offs_k
             k_ok = ks < k
             w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if not DOT:  # a tile narrower than tensor cores take (see row_tile)
-                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-            elif IEEE:  # float32 models: no TF32 rounding of the operands
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            acc = _tile_product(acc, x, w, IEEE, DOT)
         return acc
 
     @triton.jit
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
                      HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                     WEIGHTS_FIRST: tl.constexpr):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
         col_ok = cols < n
-        # Prefetching this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the first
-        # 512 columns, 19% slower for all of them (profile_pdl_ab.txt), so the wait comes first.
-        wait_for_previous_kernel(PDL)
+        # (Prefetching all of this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the
+        # first 512 columns, 19% slower for all of them, profile_pdl_ab.txt. WEIGHTS_FIRST loads one tile.)
         acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w, IEEE, DOT, BLOCK_M, BLOCK_N,
-                              BLOCK_K)
+                              BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
@@ -224,7 +249,7 @@ if triton is not None:
     @triton.jit
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr):
+                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
         i = tl.arange(0, 2 * PAIR)
@@ -232,7 +257,7 @@ if triton is not None:
         col_ok = first + i % PAIR < n
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
-                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K)
+                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -241,12 +266,12 @@ if triton is not None:
     @triton.jit
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                             PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                             PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                             WEIGHTS_FIRST: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
-        wait_for_previous_kernel(PDL)
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
+                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -260,16 +285,17 @@ if triton is not None:
                                stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-                               BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                               BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                               WEIGHTS_FIRST: tl.constexpr):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
         head = tl.program_id(0) // (HALF // PAIR)
         start = (tl.program_id(0) % (HALF // PAIR)) * PAIR  # of this program's run in the head's first half
         offs_d = start + tl.arange(0, PAIR)
         first = head * 2 * HALF + start
-        wait_for_previous_kernel(PDL)
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
-                                 rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K)
+                                 rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL,
+                                 WEIGHTS_FIRST)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -394,12 +420,12 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tenso
     rows = x.shape[0]
     n, k = weight.shape
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
-    block_n, block_k, stages, warps = gemv_config(n, rows)
+    block_n, block_k, stages, warps = gemv_config(n, rows, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
         IEEE=weight.dtype == torch.float32, **row_tile(rows, block_n), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_stages=stages, num_warps=warps, **pdl_options(x.device))
+        num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, **pdl_options(x.device))
     return out
 
 
@@ -416,7 +442,7 @@ def _gemv_shared_memory_fits(rows: int, weight: torch.Tensor) -> bool:
     # Each pipeline stage holds a tile of x and one of W: wide row counts on wide tiles overflow shared memory.
     if weight.device.type != "cuda":
         return True
-    block_n, block_k, stages, _ = gemv_config(weight.shape[0], rows)
+    block_n, block_k, stages, _ = gemv_config(weight.shape[0], rows, weight.shape[1])
     needed = stages * (row_tile(rows, block_n)["BLOCK_M"] + block_n) * block_k * weight.element_size()
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
     return needed <= _shared_memory_limit(index)
@@ -455,10 +481,11 @@ def folds_into_projection(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int) -> dict:
     # The tile of the plain kernel for this weight, cut into two runs of PAIR rows.
-    block_n, block_k, stages, warps = gemv_config(weight.shape[0], x.shape[0])
+    block_n, block_k, stages, warps = gemv_config(weight.shape[0], x.shape[0], weight.shape[1])
     pair = min(block_n // 2, pair_limit)
     return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32, **row_tile(x.shape[0], 2 * pair),
-                PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, **pdl_options(x.device))
+                PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
+                **pdl_options(x.device))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
