@@ -41,11 +41,13 @@ from gpu import write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, one_row_max_k=1 << 62, weights_first=False)
+            one_row={}, weights_first=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
-NARROW_O = {2048: (8, 1024, 3, 2), 4096: (8, 1024, 3, 2)}
-NARROW_DOWN = {2048: (4, 1024, 2, 2), 4096: (8, 1024, 3, 2)}
+NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
+NARROW_DOWN = {(2048, 1 << 62): (4, 1024, 2, 2), (4096, 1 << 62): (8, 1024, 3, 2)}
+# round 11: whole 2048-deep rows per tile (`bench/gemv_kernel.py --one-row-sweep --cold` on the H200)
+DEEP_ROWS = {(4096, 2048): (8, 2048, 3, 2), (4096, 1 << 62): (4, 2048, 3, 4)}
 VARIANTS = {
     "main": dict(BASE, lanes=False, gemv_rows=0, fresh=False),
     "round5": BASE,
@@ -61,18 +63,23 @@ VARIANTS = {
     # zoo's defaults (fused_ops, triton_attention), and the same without programmatic dependent launch: under PDL
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
-    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O, weights_first=True),
-    "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=NARROW_O,
+    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True),
+    "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=DEEP_ROWS,
                            weights_first=True),
     # Round 11: the products' first weight tile loaded before the PDL wait (fused_ops.WEIGHTS_FIRST); the down
     # product (8192 deep) on GEMV_CONFIGS' tile at one row (`bench/gemv_kernel.py --cold` on the H100: 14.9 against
     # 16.3 us); and whole 2048-deep rows as one tile, all loaded before the wait
     "round10": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O),
     "weights_first": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O, weights_first=True),
-    "wf_down_wide": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=NARROW_O, weights_first=True,
-                         one_row_max_k=4096),
+    "wf_down_wide": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
+                         one_row={(4096, 4096): (8, 1024, 3, 2)}),
     "wf_whole_rows": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
-                          one_row={2048: (8, 2048, 1, 4), 4096: (8, 2048, 1, 4)}, one_row_max_k=4096),
+                          one_row={(4096, 4096): (8, 2048, 1, 4)}),
+    # the best one-row tiles of `bench/gemv_kernel.py --one-row-sweep --cold` on the H200 (round 11)
+    "deep_rows": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
+                      one_row={(4096, 2048): (8, 2048, 1, 2), (4096, 1 << 62): (4, 2048, 1, 4)}),
+    "deep_rows_staged": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
+                             one_row=DEEP_ROWS),
 }
 TRITON_ARGMAX = None
 
@@ -90,7 +97,6 @@ def apply(variant: dict) -> None:
     fused_ops.FOLD_INTO_PROJECTIONS = variant["fold"]
     fused_ops.ADVANCE_KERNEL = variant["advance"]
     fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
-    fused_ops.GEMV_ONE_ROW_MAX_K = variant["one_row_max_k"]
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
 
 
@@ -131,7 +137,8 @@ def main() -> int:
                       max_num_batched_tokens=8192, gpu_memory_utilization=0.85, num_kv_blocks=blocks or None)
             llm.engine.runner.fresh_causal_path = VARIANTS[name]["fresh"]
             key = f"{name} kv_blocks={llm.engine.num_blocks}"
-            entry = report["variants"][key] = {"switches": VARIANTS[name], "decode": {}}
+            switches = {k: repr(v) if isinstance(v, dict) else v for k, v in VARIANTS[name].items()}  # JSON keys
+            entry = report["variants"][key] = {"switches": switches, "decode": {}}
             say(f"=== variant {key}: {VARIANTS[name]}")
             for batch in args.batch:
                 entry["decode"][batch] = profile_decode(llm, batch, args.steps, args.table_rows, say)

@@ -248,7 +248,7 @@ def test_advance_decode_rows_is_the_runners_torch_ops(position_rows, windowed):
         assert torch.equal(buffers[name], expected[name]), name
 
 
-NARROW_ONE_ROW = {1 << 62: (8, 64, 2, 4)}  # a tile under tensor cores' 16 columns: products summed in float32
+NARROW_ONE_ROW = {(1 << 62, 1 << 62): (8, 64, 2, 4)}  # a tile under tensor cores' 16 columns: products summed in float32
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

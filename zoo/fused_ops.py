@@ -60,18 +60,17 @@ ADVANCE_KERNEL = False
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
-# Tiles for a step of one row, by output width, where they differ from those above. A BLOCK_N under 16 streams
-# without tensor cores (tl.dot takes 16 columns at least; the products are summed in float32), so that a narrow
-# matrix spreads over more programs: at one row, the o and q/k/v products streamed at 42% and 58% of the copy
-# bandwidth on the H200, the down product at 66%, gate/up at 89% (bench/results/gpu/round2/gemv.txt). The sweep
-# of round 9 (`bench/gemv_kernel.py --sweep`, bench/results/gpu/round9/gemv.txt): 8 columns, 1024 deep, 3 stages,
-# 2 warps took the o product from 4.06 to 3.39 us and q/k/v from 4.63 to 4.12; gate/up and the LM head gained
-# nothing (the widest outputs keep GEMV_CONFIGS'). The down product's output is 2048 wide too, so it takes the o
-# product's tile. A batch-1 decode graph replayed in 1.0074 against 1.0289 ms (interleaved,
-# bench/results/gpu/round9/profile_narrow.txt).
-GEMV_ONE_ROW_CONFIGS: dict[int, tuple] = {2048: (8, 1024, 3, 2), 4096: (8, 1024, 3, 2)}
-# The deepest product (K) that takes GEMV_ONE_ROW_CONFIGS' tiles; deeper ones keep GEMV_CONFIGS'.
-GEMV_ONE_ROW_MAX_K = 1 << 62
+# Tiles for a step of one row where they differ from those above, keyed by (output width, depth K): the first key,
+# in sorted order, that covers both. A BLOCK_N under 16 streams without tensor cores (tl.dot takes 16 columns at
+# least; the products are summed in float32), so that a narrow matrix spreads over more programs. Round 11's sweep
+# with weights that L2 cannot hold, as in a decode step, under WEIGHTS_FIRST (`bench/gemv_kernel.py --one-row-sweep
+# --cold` on the H200, bench/results/gpu/round11/gemv_one_row_sweep_cold_h200.txt): a whole 2048-deep row per tile,
+# so that all of a program's weights load before its PDL wait, took q/k/v from 5.57 to 3.9 us and o from 4.48 to
+# 3.16; the 8192-deep down product took 4 columns by 2048 from 15.03 to 10.71 us; gate/up keeps GEMV_CONFIGS'
+# tile. A batch-1 decode graph replayed in 0.9330 against 1.0165 ms with WEIGHTS_FIRST alone (1.089x; 1.167x
+# against round 10's kernels; 7 interleaved rounds, bench/results/gpu/round11/profile_deep_rows_h200.txt).
+GEMV_ONE_ROW_CONFIGS: dict[tuple[int, int], tuple] = {(4096, 2048): (8, 2048, 3, 2),
+                                                       (4096, 1 << 62): (4, 2048, 3, 4)}
 
 
 # Whether the weight-streaming kernels load their first weight tile before waiting for the kernel before them
@@ -90,10 +89,10 @@ EXACT_ROUNDING = {"enable_fp_fusion": False}
 
 def gemv_config(n: int, rows: int | None = None, k: int = 0) -> tuple:
     """(BLOCK_N, BLOCK_K, num_stages, num_warps) for an output ``n`` wide and ``k`` deep: at one row
-    GEMV_ONE_ROW_CONFIGS' where it has a width that covers ``n`` and ``k`` is at most GEMV_ONE_ROW_MAX_K, else
-    GEMV_CONFIGS'."""
-    if rows == 1 and k <= GEMV_ONE_ROW_MAX_K:
-        one_row = next((config for width, config in sorted(GEMV_ONE_ROW_CONFIGS.items()) if n <= width), None)
+    GEMV_ONE_ROW_CONFIGS' where a key covers ``n`` and ``k``, else GEMV_CONFIGS'."""
+    if rows == 1:
+        one_row = next((config for (width, depth), config in sorted(GEMV_ONE_ROW_CONFIGS.items())
+                        if n <= width and k <= depth), None)
         if one_row is not None:
             return one_row
     return next(config for width, config in sorted(GEMV_CONFIGS.items()) if n <= width)
