@@ -41,7 +41,7 @@ from gpu import write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False)
+            one_row={}, weights_first=False, fold_norms=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -63,9 +63,10 @@ VARIANTS = {
     # zoo's defaults (fused_ops, triton_attention), and the same without programmatic dependent launch: under PDL
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
-    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True),
+    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True,
+                    fold_norms=True),
     "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=DEEP_ROWS,
-                           weights_first=True),
+                           weights_first=True, fold_norms=True),
     # Round 11: the products' first weight tile loaded before the PDL wait (fused_ops.WEIGHTS_FIRST); the down
     # product (8192 deep) on GEMV_CONFIGS' tile at one row (`bench/gemv_kernel.py --cold` on the H100: 14.9 against
     # 16.3 us); and whole 2048-deep rows as one tile, all loaded before the wait
@@ -98,6 +99,7 @@ def apply(variant: dict) -> None:
     fused_ops.ADVANCE_KERNEL = variant["advance"]
     fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
+    fused_ops.FOLD_NORMS = variant["fold_norms"]
 
 
 def main() -> int:
