@@ -63,10 +63,12 @@ VARIANTS = {
     # zoo's defaults (fused_ops, triton_attention), and the same without programmatic dependent launch: under PDL
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
-    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True,
-                    fold_norms=True),
+    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True),
     "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=DEEP_ROWS,
-                           weights_first=True, fold_norms=True),
+                           weights_first=True),
+    # the norms folded into the products after them (fused_ops.FOLD_NORMS; not yet measured)
+    "fold_norms": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True,
+                       fold_norms=True),
     # Round 11: the products' first weight tile loaded before the PDL wait (fused_ops.WEIGHTS_FIRST); the down
     # product (8192 deep) on GEMV_CONFIGS' tile at one row (`bench/gemv_kernel.py --cold` on the H100: 14.9 against
     # 16.3 us); and whole 2048-deep rows as one tile, all loaded before the wait

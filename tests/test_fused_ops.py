@@ -245,6 +245,7 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     products' epilogues, and the layers' norms in those products' prologues (fused_ops.FOLD_NORMS)."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
+    monkeypatch.setattr(fused_ops, "FOLD_NORMS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
     calls = []  # the folding kernels that ran
     for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):

@@ -79,8 +79,11 @@ GEMV_ONE_ROW_CONFIGS: dict[tuple[int, int], tuple] = {(4096, 2048): (8, 2048, 3,
 WEIGHTS_FIRST = True
 # Whether a decoder layer's two RMSNorms (with the residual add before each) run inside the product after them,
 # q/k/v and gate/up, where those products stream their weights (PendingNorm): 32 launches fewer per decode step
-# of a 16-layer model. Each program computes its rows' norm from x and the residual; the first stores the sum.
-FOLD_NORMS = True
+# of a 16-layer model. Each program computes its rows' 1 / rms from x and the residual, tile by tile of the
+# product's depth; the first stores the sum. Off until measured: built and tested on CPU (Triton's interpreter;
+# bench/compile_sm90.py compiles it) in round 11, whose device time ran out before the A/B
+# (`bench/profile_gpu_step.py --variants current fold_norms`). Round 9's first try was 3.9 times slower.
+FOLD_NORMS = False
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
