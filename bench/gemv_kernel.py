@@ -118,7 +118,8 @@ def cold_copies(w: torch.Tensor) -> list[torch.Tensor]:
 def one_row_sweep(weights, say) -> None:
     """At one row, the layer products on each candidate tile with the weights cycled over copies L2 cannot hold,
     under zoo's launch options (WEIGHTS_FIRST, PDL): the best per shape, the values for GEMV_ONE_ROW_CONFIGS."""
-    narrow = [c for c in itertools.product((4, 8), (1024, 2048, 4096), (1, 3), (2, 4, 8))]
+    narrow = [c for c in itertools.product((2, 4, 8), (1024, 2048, 4096, 8192), (1, 3), (2, 4, 8))
+              if c[0] * c[1] <= 8 * 4096]  # wider tiles spill registers
     tensor_core = [(16, 256, 4, 4), (16, 512, 3, 4), (16, 1024, 2, 4), (32, 512, 3, 4)]
     chosen = fused_ops.GEMV_ONE_ROW_CONFIGS
     say(f"One row, weights cycled over copies L2 cannot hold; WEIGHTS_FIRST={fused_ops.WEIGHTS_FIRST}")

@@ -66,9 +66,17 @@ VARIANTS = {
     "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True),
     "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=DEEP_ROWS,
                            weights_first=True),
-    # the norms folded into the products after them (fused_ops.FOLD_NORMS; not yet measured)
+    # Not yet measured (round 11's device time ran out): the norms folded into the products after them
+    # (fused_ops.FOLD_NORMS); gate/up on deep one-row tiles too, which load their first 2048-deep tile before the
+    # wait, after a norm kernel short enough to leave that time (the cold sweep runs gate/up after gate/up, which
+    # leaves none: 18.20 against 17.74 us there); the down product's whole 8192-deep rows, two per program, all
+    # loaded before the wait.
     "fold_norms": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True,
                        fold_norms=True),
+    "gate_up_deep": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
+                         one_row={**DEEP_ROWS, (16384, 2048): (8, 2048, 3, 2)}),
+    "down_whole_rows": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
+                            one_row={(4096, 2048): (8, 2048, 3, 2), (4096, 1 << 62): (2, 8192, 1, 8)}),
     # Round 11: the products' first weight tile loaded before the PDL wait (fused_ops.WEIGHTS_FIRST); the down
     # product (8192 deep) on GEMV_CONFIGS' tile at one row (`bench/gemv_kernel.py --cold` on the H100: 14.9 against
     # 16.3 us); and whole 2048-deep rows as one tile, all loaded before the wait
