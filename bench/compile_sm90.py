@@ -93,6 +93,11 @@ CASES = [
       "QueryCacheIndex": "*i64", "DraftStart": "*i64", "DraftVisible": "*i8"},
      dict(BLOCK_SIZE=16, HEAD_DIM=64, GROUP=4, GROUP_PAD=16, BLOCKS_PER_SPLIT=16, BLOCKS_PER_ITER=4, HAS_TREE=True,
           IEEE=False, **PDL), {}),
+    ("paged decode, cached tile first", triton_attention._paged_decode_kernel,
+     {"OutPartial": "*fp32", "LsePartial": "*fp32", "BlockTables": "*i64", "ContextLens": "*i64", "TokenSeq": "*i64",
+      "QueryCacheIndex": "*i64", "DraftStart": "*i64", "DraftVisible": "*i8"},
+     dict(BLOCK_SIZE=16, HEAD_DIM=64, GROUP=4, GROUP_PAD=16, BLOCKS_PER_SPLIT=4, BLOCKS_PER_ITER=4, HAS_TREE=False,
+          IEEE=False, CACHED_FIRST=True, **PDL), {}),
     ("merge splits", triton_attention._merge_splits_kernel,
      {"OutPartial": "*fp32", "LsePartial": "*fp32", "TokenSeq": "*i64", "QueryCacheIndex": "*i64",
       "ContextLens": "*i64"},
@@ -114,7 +119,8 @@ def main() -> int:
             print(f"FAILED {name}:\n{traceback.format_exc()}", flush=True)
             continue
         ptx = compiled.asm["ptx"]
-        # global loads issued before the PDL wait: only the weight-streaming kernels' first weight tile
+        # global loads issued before the PDL wait: only the weight-streaming kernels' first weight tile and, with
+        # CACHED_FIRST, the decode kernel's first tile of cached keys and values
         before_wait = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
         early = sum(before_wait.count(op) for op in ("ld.global", "cp.async"))
         print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions, "

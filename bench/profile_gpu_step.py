@@ -41,7 +41,7 @@ from gpu import write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, fold_norms=False)
+            one_row={}, weights_first=False, fold_norms=False, cached_first=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -77,6 +77,9 @@ VARIANTS = {
                          one_row={**DEEP_ROWS, (16384, 2048): (8, 2048, 3, 2)}),
     "down_whole_rows": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
                             one_row={(4096, 2048): (8, 2048, 3, 2), (4096, 1 << 62): (2, 8192, 1, 8)}),
+    # the decode kernel's first tile of cached keys and values read before its wait (triton_attention.CACHED_FIRST)
+    "cached_first": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True,
+                         cached_first=True),
     # Round 11: the products' first weight tile loaded before the PDL wait (fused_ops.WEIGHTS_FIRST); the down
     # product (8192 deep) on GEMV_CONFIGS' tile at one row (`bench/gemv_kernel.py --cold` on the H100: 14.9 against
     # 16.3 us); and whole 2048-deep rows as one tile, all loaded before the wait
@@ -110,6 +113,7 @@ def apply(variant: dict) -> None:
     fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
     fused_ops.FOLD_NORMS = variant["fold_norms"]
+    triton_attention.CACHED_FIRST = variant["cached_first"]
 
 
 def main() -> int:

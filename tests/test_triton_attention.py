@@ -41,8 +41,11 @@ def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_
 # wide_rows 1: the wide splits (WIDE_BLOCKS_PER_SPLIT blocks) that large batches take
 @pytest.mark.parametrize("blocks_per_iter, launch_programs, wide_rows",
                          [(1, 2048, 512), (2, 2048, 512), (4, 2048, 512), (4, 1, 512), (4, 2048, 1), (2, 1, 1)])
+# cached_first: each lane's first tile read before the PDL wait, but for the positions the step may write
+@pytest.mark.parametrize("cached_first", [False, True])
 def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_iter, launch_programs, wide_rows,
-                                        monkeypatch):
+                                        cached_first, monkeypatch):
+    monkeypatch.setattr(triton_attention, "CACHED_FIRST", cached_first)
     monkeypatch.setattr(triton_attention, "BLOCKS_PER_ITER", blocks_per_iter)
     monkeypatch.setattr(triton_attention, "LAUNCH_PROGRAMS", launch_programs)
     monkeypatch.setattr(triton_attention, "WIDE_ROWS", wide_rows)
@@ -79,6 +82,22 @@ def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_
                          visible, scale)
     args = [x.to(DEVICE) for x in (q, key_cache, value_cache, tables, context_lens, token_seq, query_index,
                                    draft_start, visible)]
-    got = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True).cpu().double()
+    # What the kernel may read before its PDL wait (CACHED_FIRST) comes from copies whose slots of this step's
+    # tokens (each sequence's last ones, one per query token) are NaN, as if the kernel before had not yet
+    # written them: the result must not see them.
+    new_tokens = torch.bincount(token_seq, minlength=len(lengths))
+    before_step = [cache.clone() for cache in (key_cache, value_cache)]
+    for b, n in enumerate(lengths):
+        for j in range(n - int(new_tokens[b]), n):
+            for cache in before_step:
+                cache[tables[b, j // bs], j % bs] = float("nan")
+    early = [cache.to(DEVICE) for cache in before_step]
+    got = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True,
+                                                  caches_before_step=early).cpu().double()
     rel = (got - expected).norm() / expected.norm()
     assert rel < tol, rel
+    # and the early reads happen: an old slot spoiled in those copies alone shows in the result only then
+    for cache in early:
+        cache[tables[0, 0], 0] = float("nan")
+    spoiled = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True, caches_before_step=early)
+    assert bool(spoiled[0].isnan().any()) == cached_first

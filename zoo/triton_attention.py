@@ -85,6 +85,12 @@ def pdl_options(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if launches_pdl(device) else {"PDL": False}
 
 
+# Whether the decode kernel reads the first tile of its context before its PDL wait, but for the positions the
+# step may write (see the kernel). Off until measured: built and tested on CPU in round 11, whose device time
+# ran out before the A/B (`bench/profile_gpu_step.py --variants current cached_first`).
+CACHED_FIRST = False
+
+
 # The partial results' strides follow the step's split count. Triton would compile a variant per stride class
 # (1, a multiple of 16, other), which mixed steps of a server meet one by one, each a compile of 100+ ms in the
 # middle of serving; these strides are not on the innermost dimension, so the hint buys nothing.
@@ -100,9 +106,28 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 
+    @triton.jit
+    def _attend_tile(q, k, v, valid, m, l, acc, scale, IEEE: tl.constexpr):
+        # One tile of keys and values into the running softmax (m: max, l: mass, acc: weighted values).
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l, acc
+
     @triton.jit(do_not_specialize=SPLIT_STRIDES)
     def _paged_decode_kernel(
-        Q, KCache, VCache, OutPartial, LsePartial,
+        Q, KCache, VCache, KEarly, VEarly, OutPartial, LsePartial,
         BlockTables, ContextLens, TokenSeq, QueryCacheIndex, DraftStart, DraftVisible,
         scale,
         stride_qt, stride_qh,
@@ -112,23 +137,43 @@ if triton is not None:
         stride_lt, stride_lh,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCKS_PER_SPLIT: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, HAS_TREE: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr, CACHED_FIRST: tl.constexpr,
     ):
-        wait_for_previous_kernel(PDL)
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
         lane = tl.program_id(2)
         lanes = tl.num_programs(2)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_k = tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)
+        # CACHED_FIRST: the first tile of this lane's first split is read before the PDL wait, but for the cache
+        # positions this step may write. A step's new tokens are the last of their sequence's context, at most
+        # one per query token of the launch, so positions under context - tokens were written by earlier steps;
+        # the step's inputs (token_seq, context_lens, block tables) come from kernels two or more launches back,
+        # which have finished by the time this one starts.
+        if not CACHED_FIRST:
+            wait_for_previous_kernel(PDL)
         seq = tl.load(TokenSeq + token)
         last = tl.load(QueryCacheIndex + token)
-        visible = tl.minimum(last + 1, tl.load(ContextLens + seq))
+        context = tl.load(ContextLens + seq)
+        visible = tl.minimum(last + 1, context)
         # Graphs launch lanes for a fixed batch; a lane computes splits lane, lane + lanes, ... of this token's
         # context, so a short context leaves lanes idle and a long one loops, never launching empty programs
         # for the longest context a sequence might have.
         splits_used = tl.cdiv(visible, BLOCKS_PER_SPLIT * BLOCK_SIZE)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_k = tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)
+        first_positions = lane * BLOCKS_PER_SPLIT * BLOCK_SIZE + offs_k
+        old = (first_positions < visible) & (first_positions < context - tl.num_programs(0))
+        if CACHED_FIRST:
+            blocks = tl.load(BlockTables + seq * stride_bt + first_positions // BLOCK_SIZE, mask=old, other=0)
+            kv_offsets = (blocks[:, None] * stride_kb + (first_positions % BLOCK_SIZE)[:, None] * stride_ks
+                          + kv_head * stride_kh + offs_d[None, :])
+            k_old = tl.load(KEarly + kv_offsets, mask=old[:, None], other=0.0)
+            v_old = tl.load(VEarly + kv_offsets, mask=old[:, None], other=0.0)
+            wait_for_previous_kernel(PDL)
+        else:
+            old = old & (lane < 0)  # nothing read early
+            k_old = tl.zeros([BLOCK_SIZE * BLOCKS_PER_ITER, HEAD_DIM], KCache.dtype.element_ty)
+            v_old = tl.zeros([BLOCK_SIZE * BLOCKS_PER_ITER, HEAD_DIM], VCache.dtype.element_ty)
         heads = kv_head * GROUP + offs_g
         group_mask = offs_g < GROUP
         if lane < splits_used:
@@ -147,33 +192,23 @@ if triton is not None:
                         # BLOCKS_PER_ITER cache blocks in one tile: more loads in flight per iteration.
                         positions = tile_first + offs_k
                         valid = positions < visible
-                        blocks = tl.load(BlockTables + seq * stride_bt + positions // BLOCK_SIZE, mask=valid,
+                        # read before the wait: this lane's first tile (of its first split)
+                        early = old & (tile_first == lane * BLOCKS_PER_SPLIT * BLOCK_SIZE)
+                        late = valid & (early == 0)
+                        blocks = tl.load(BlockTables + seq * stride_bt + positions // BLOCK_SIZE, mask=late,
                                          other=0)
                         kv_offsets = (blocks[:, None] * stride_kb + (positions % BLOCK_SIZE)[:, None] * stride_ks
                                       + kv_head * stride_kh + offs_d[None, :])
-                        k = tl.load(KCache + kv_offsets, mask=valid[:, None], other=0.0)
-                        v = tl.load(VCache + kv_offsets, mask=valid[:, None], other=0.0)
-                        if IEEE:
-                            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                        else:
-                            s = tl.dot(q, tl.trans(k))
-                        s = s * scale
+                        k = tl.where(early[:, None], k_old, tl.load(KCache + kv_offsets, mask=late[:, None],
+                                                                    other=0.0))
+                        v = tl.where(early[:, None], v_old, tl.load(VCache + kv_offsets, mask=late[:, None],
+                                                                    other=0.0))
                         if HAS_TREE:
                             offset = positions - draft_start
                             in_tree = offset >= 0
                             sees = tl.load(DraftVisible + token * stride_vt + offset, mask=valid & in_tree, other=0)
                             valid = valid & (~in_tree | (sees != 0))
-                        s = tl.where(valid[None, :], s, float("-inf"))
-                        m_new = tl.maximum(m, tl.max(s, 1))
-                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        p = tl.exp(s - m_safe[:, None])
-                        alpha = tl.exp(m - m_safe)
-                        l = l * alpha + tl.sum(p, 1)
-                        if IEEE:
-                            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                        else:
-                            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                        m = m_new
+                        m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, scale, IEEE)
                 l_safe = tl.where(l > 0, l, 1.0)
                 out = acc / l_safe[:, None]
                 lse = tl.where(l > 0, m + tl.log(l_safe), float("-inf"))
@@ -206,11 +241,15 @@ if triton is not None:
 
 
 def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
-                           draft_start, draft_visible, scale: float, has_tree: bool) -> torch.Tensor:
+                           draft_start, draft_visible, scale: float, has_tree: bool,
+                           caches_before_step: tuple | None = None) -> torch.Tensor:
     """q: [T, H, D]; caches: [blocks, block_size, Hkv, D]; draft_visible: [T, max_draft] int8 or None.
+    ``caches_before_step``: where CACHED_FIRST's early reads go, the caches themselves unless a test passes copies
+    without this step's tokens.
 
     Returns [T, H, D] in q's dtype.
     """
+    early_key, early_value = caches_before_step or (key_cache, value_cache)
     if draft_visible is None:  # no drafts this step: the kernel never reads it
         draft_visible = token_seq[:, None]
     tokens, heads, head_dim = q.shape
@@ -224,7 +263,7 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         q = q.contiguous()
     lanes = min(num_splits, max(1, -(-LAUNCH_PROGRAMS // (tokens * kv_heads))))
     _paged_decode_kernel[(tokens, kv_heads, lanes)](
-        q, key_cache, value_cache, out_partial, lse_partial,
+        q, key_cache, value_cache, early_key, early_value, out_partial, lse_partial,
         block_tables, context_lens, token_seq, query_cache_index, draft_start, draft_visible,
         scale,
         q.stride(0), q.stride(1),
@@ -234,7 +273,7 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         lse_partial.stride(0), lse_partial.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCKS_PER_SPLIT=blocks_per_split, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
-        IEEE=q.dtype == torch.float32, **pdl_options(q.device),
+        IEEE=q.dtype == torch.float32, CACHED_FIRST=CACHED_FIRST, **pdl_options(q.device),
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
     # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
