@@ -179,6 +179,27 @@ def offline_requests(vocab, n=256, seed=0):
     return [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
 
 
+def compare_switch(name: str, run, result: dict, tokens) -> dict:
+    """``run()`` again with the zoo module switch ``name`` (``module.NAME``) flipped, then the run before again with
+    it as it was, so that drift over the two falls on both: the two timings with it as it was, and the flipped one."""
+    import importlib
+
+    module_name, attr = name.rsplit(".", 1)
+    module = importlib.import_module(f"zoo.{module_name}")
+    value = getattr(module, attr)
+    setattr(module, attr, not value)
+    try:
+        other, other_tokens, _ = run()
+    finally:
+        setattr(module, attr, value)
+    again, _, _ = run()
+    entry = {"as_is_tok_s": [result["decode_tok_s"], again["decode_tok_s"]], "flipped_tok_s": other["decode_tok_s"],
+             "flipped_value": not value, "tokens_equal": other_tokens == tokens}
+    print(f"  {name}={not value}: {other['decode_tok_s']:.0f} tok/s decode (as is: {result['decode_tok_s']:.0f}, "
+          f"{again['decode_tok_s']:.0f}), tokens equal {entry['tokens_equal']}", flush=True)
+    return entry
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu", help="folder for gpu.json, gpu.md, gpu.png")
@@ -197,6 +218,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-overlap", action="store_true",
                    help="also time each decode batch and the offline run with runtime.overlap_steps flipped, in "
                         "the same process (host speed varies between processes)")
+    p.add_argument("--compare-switch", default=None, metavar="MODULE.NAME",
+                   help="also time each decode batch with a boolean zoo module switch flipped, in the same process, "
+                        "e.g. fused_ops.ADVANCE_KERNEL (only switches read at every step, not captured in graphs)")
     args = p.parse_args(argv)
     from zoo import triton_attention
 
@@ -231,7 +255,7 @@ def main(argv=None) -> int:
         print(f"zoo ready in {t_load:.1f} s: {engine.num_blocks} KV blocks, step peak "
               f"{record['zoo_profile_peak_GiB']:.2f} GiB, graphs {engine.uses_cuda_graphs}", flush=True)
         vocab = SHAPE["vocab_size"]
-        sweep, flipped = {}, {}
+        sweep, flipped, switched = {}, {}, {}
         for batch in (1, 8, 32, 64):
             result, tokens, prompts = zoo_fixed_batch(llm, batch, 128, 256, vocab, weight_bytes, bandwidth,
                                                       args.layers)
@@ -250,7 +274,12 @@ def main(argv=None) -> int:
                 flipped[batch] = other
                 print(f"  overlap_steps={not default_overlap}: {other['decode_tok_s']:.0f} tok/s decode, step "
                       f"{other['step_ms']:.2f} ms, tokens equal {other['tokens_equal']}", flush=True)
+            if args.compare_switch:
+                switched[batch] = compare_switch(args.compare_switch, lambda: zoo_fixed_batch(
+                    llm, batch, 128, 256, vocab, weight_bytes, bandwidth, args.layers), result, tokens)
         record["zoo_sweep"] = sweep
+        if switched:
+            record["zoo_sweep_switch_flipped"] = {"switch": args.compare_switch, "batches": switched}
         if flipped:
             record["zoo_sweep_overlap_flipped"] = flipped
         if not args.skip_prefill:
@@ -379,6 +408,14 @@ def write_reports(record: dict, out: Path) -> None:
                   f"{r['decode_tok_s'] / other['decode_tok_s']:.2f}x") if other else "- | - | -"
         lines.append(f"| {batch} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_step_ms']:.2f} | "
                      f"{100 * r['roofline_fraction']:.0f}% | {versus} |")
+    switched = record.get("zoo_sweep_switch_flipped")
+    if switched:
+        lines += ["", f"The same batches in the same process with {switched['switch']} flipped (as is, flipped, as is "
+                      "again):", "", "| batch | as is tok/s | flipped tok/s | as is again | tokens equal |",
+                  "|---|---|---|---|---|"]
+        for batch, r in switched["batches"].items():
+            lines.append(f"| {batch} | {r['as_is_tok_s'][0]:.0f} | {r['flipped_tok_s']:.0f} | "
+                         f"{r['as_is_tok_s'][1]:.0f} | {r['tokens_equal']} |")
     flipped = record.get("zoo_sweep_overlap_flipped")
     if flipped:
         lines += ["", f"The same batches in the same process with runtime.overlap_steps="
