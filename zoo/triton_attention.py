@@ -161,19 +161,15 @@ if triton is not None:
         # context, so a short context leaves lanes idle and a long one loops, never launching empty programs
         # for the longest context a sequence might have.
         splits_used = tl.cdiv(visible, BLOCKS_PER_SPLIT * BLOCK_SIZE)
-        first_positions = lane * BLOCKS_PER_SPLIT * BLOCK_SIZE + offs_k
-        old = (first_positions < visible) & (first_positions < context - tl.num_programs(0))
         if CACHED_FIRST:
+            first_positions = lane * BLOCKS_PER_SPLIT * BLOCK_SIZE + offs_k
+            old = (first_positions < visible) & (first_positions < context - tl.num_programs(0))
             blocks = tl.load(BlockTables + seq * stride_bt + first_positions // BLOCK_SIZE, mask=old, other=0)
             kv_offsets = (blocks[:, None] * stride_kb + (first_positions % BLOCK_SIZE)[:, None] * stride_ks
                           + kv_head * stride_kh + offs_d[None, :])
             k_old = tl.load(KEarly + kv_offsets, mask=old[:, None], other=0.0)
             v_old = tl.load(VEarly + kv_offsets, mask=old[:, None], other=0.0)
             wait_for_previous_kernel(PDL)
-        else:
-            old = old & (lane < 0)  # nothing read early
-            k_old = tl.zeros([BLOCK_SIZE * BLOCKS_PER_ITER, HEAD_DIM], KCache.dtype.element_ty)
-            v_old = tl.zeros([BLOCK_SIZE * BLOCKS_PER_ITER, HEAD_DIM], VCache.dtype.element_ty)
         heads = kv_head * GROUP + offs_g
         group_mask = offs_g < GROUP
         if lane < splits_used:
@@ -192,17 +188,19 @@ if triton is not None:
                         # BLOCKS_PER_ITER cache blocks in one tile: more loads in flight per iteration.
                         positions = tile_first + offs_k
                         valid = positions < visible
-                        # read before the wait: this lane's first tile (of its first split)
-                        early = old & (tile_first == lane * BLOCKS_PER_SPLIT * BLOCK_SIZE)
-                        late = valid & (early == 0)
+                        late = valid
+                        if CACHED_FIRST:  # read before the wait: this lane's first tile (of its first split)
+                            early = old & (tile_first == lane * BLOCKS_PER_SPLIT * BLOCK_SIZE)
+                            late = valid & (early == 0)
                         blocks = tl.load(BlockTables + seq * stride_bt + positions // BLOCK_SIZE, mask=late,
                                          other=0)
                         kv_offsets = (blocks[:, None] * stride_kb + (positions % BLOCK_SIZE)[:, None] * stride_ks
                                       + kv_head * stride_kh + offs_d[None, :])
-                        k = tl.where(early[:, None], k_old, tl.load(KCache + kv_offsets, mask=late[:, None],
-                                                                    other=0.0))
-                        v = tl.where(early[:, None], v_old, tl.load(VCache + kv_offsets, mask=late[:, None],
-                                                                    other=0.0))
+                        k = tl.load(KCache + kv_offsets, mask=late[:, None], other=0.0)
+                        v = tl.load(VCache + kv_offsets, mask=late[:, None], other=0.0)
+                        if CACHED_FIRST:
+                            k = tl.where(early[:, None], k_old, k)
+                            v = tl.where(early[:, None], v_old, v)
                         if HAS_TREE:
                             offset = positions - draft_start
                             in_tree = offset >= 0
