@@ -564,7 +564,8 @@ class PendingNorm:
         return self._summed
 
     def launch_args(self) -> tuple[tuple, dict]:
-        """The fold's kernel arguments: (Residual, NormWeight, Summed, stride_r, stride_s, eps) and constexprs."""
+        """The fold's kernel arguments, (Residual, NormWeight, Summed, stride_r, stride_s, eps), and constexprs;
+        allocates ``summed`` for the kernel's first program to store."""
         residual = self.residual
         self._summed = torch.empty_like(self.x) if residual is not None else self.x
         return ((residual if residual is not None else self.x, self.weight, self._summed,
