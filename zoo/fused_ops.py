@@ -207,6 +207,12 @@ if triton is not None:
             return acc + tl.dot(x, tl.trans(w))
 
     @triton.jit
+    def _plus_residual(x, residual_ptrs, ok):
+        # x + residual rounded to x's dtype, as _add_rms_norm_kernel and eager PyTorch round the residual add
+        r = tl.load(residual_ptrs, mask=ok, other=0.0)
+        return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
     def _row_rstd(X, Residual, Summed, offs_m, row_ok, k, stride_x, stride_r, stride_s, eps,
                   HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # A folded RMSNorm's 1 / rms of each row of x + residual (the sum rounded as _add_rms_norm_kernel rounds
@@ -219,8 +225,7 @@ if triton is not None:
             ok = row_ok[:, None] & (ks < k)[None, :]
             x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
             if HAS_RESIDUAL:
-                r = tl.load(Residual + offs_m[:, None] * stride_r + ks[None, :], mask=ok, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                x = _plus_residual(x, Residual + offs_m[:, None] * stride_r + ks[None, :], ok)
                 if tl.program_id(0) == 0:
                     tl.store(Summed + offs_m[:, None] * stride_s + ks[None, :], x, mask=ok)
             xf = x.to(tl.float32)
@@ -236,8 +241,7 @@ if triton is not None:
         if NORM:
             dtype = X.dtype.element_ty
             if HAS_RESIDUAL:
-                r = tl.load(Residual + offs_m[:, None] * stride_r + ks[None, :], mask=ok, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                x = _plus_residual(x, Residual + offs_m[:, None] * stride_r + ks[None, :], ok)
             normed = (x.to(tl.float32) * rstd[:, None]).to(dtype)
             weight = tl.load(NormWeight + ks, mask=k_ok, other=0.0)
             x = (normed.to(tl.float32) * weight.to(tl.float32)[None, :]).to(dtype)
