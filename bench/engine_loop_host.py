@@ -100,7 +100,7 @@ def main() -> int:
 
     def run_round(steps: int) -> tuple[float, LoadPipe]:
         pipe = LoadPipe(prompts, args.max_tokens, args.concurrency)
-        loop = EngineLoop(llm, pipe)
+        loop = EngineLoop(llm, [pipe])
         start = time.perf_counter()
         for _ in range(steps):
             for message in loop._messages():

@@ -113,26 +113,34 @@ def one_request(base_url, model, prompt, max_tokens, record):
                    "tokens": tokens})
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far (Linux /proc; NaN elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time of these processes so far (Linux /proc; NaN elsewhere)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return float("nan")
+    return total
 
 
-def process_group(server_pid: int) -> dict[str, int]:
-    """The server's HTTP process, its engine process (its child) and this client process."""
-    pids = {"client": os.getpid(), "http": server_pid}
+def process_group(server_pid: int) -> dict[str, list[int]]:
+    """The server's HTTP processes (the server and, with server.http_processes, the children it starts after the
+    engine), its engine process (its first child) and this client process."""
+    pids = {"client": [os.getpid()], "http": [server_pid]}
     try:
         with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
             children = f.read().split()
+        spawned = []
         for child in children:  # spawn's resource tracker is a child too
             with open(f"/proc/{child}/cmdline", "rb") as f:
                 if b"resource_tracker" not in f.read():
-                    pids["engine"] = int(child)
+                    spawned.append(int(child))
+        if spawned:
+            pids["engine"] = spawned[:1]
+            pids["http"] += spawned[1:]
     except OSError:
         pass
     return pids
@@ -285,7 +293,7 @@ def main() -> int:
             spy, pids = None, process_group(proc.pid)
             if args.py_spy and concurrency == max(args.concurrency) and args.py_spy_process in pids:
                 spy_binary = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-                spy = subprocess.Popen([spy_binary, "record", "--pid", str(pids[args.py_spy_process]),
+                spy = subprocess.Popen([spy_binary, "record", "--pid", str(pids[args.py_spy_process][0]),
                                         "--rate", "250", "--format", "raw", "--output", args.py_spy,
                                         "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 time.sleep(1)  # attached before the level starts

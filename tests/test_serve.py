@@ -374,6 +374,7 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
     ("server.hots=x", "server.hots: no such setting (did you mean server.host?)"),
     ("server.engine_threads=0", "server.engine_threads=0: must be an integer >= 1"),
     ("server.stream_interval=0", "server.stream_interval=0: must be an integer >= 1"),
+    ("server.http_processes=0", "server.http_processes=0: must be an integer >= 1"),
     ("runtime.tensor_parallel_size=0", "runtime.tensor_parallel_size=0: must be"),
 ])
 def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
@@ -381,6 +382,20 @@ def test_a_bad_server_setting_is_one_line_before_anything_loads(override, messag
                           timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(f"error: {message}")
     assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_port_in_use_is_one_line(processes, tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "zoo.serve", f"server.port={port}",
+                               f"server.http_processes={processes}"], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert "Traceback" not in proc.stderr and "zoo serving" not in proc.stderr
 
 
 def test_the_engine_process_computes_on_the_cores_the_http_process_leaves():
@@ -530,7 +545,7 @@ def test_the_engine_loop_sends_tokens_only_for_streams(local):
     from zoo.llm import TextDeltas
     from zoo.engine_process import EngineLoop
 
-    loop = EngineLoop(local, conn=object())  # a connection is only sent to in run(), which this test does not call
+    loop = EngineLoop(local, conns=[object()])  # a connection is only sent to in run(), which this test does not call
     values = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     loop._handle(("add", 1, [({"prompt": "def main():"}, values)], True))
     loop._handle(("add", 2, [({"prompt": "def main():"}, values)], False))
@@ -558,7 +573,7 @@ def test_the_engine_loop_sends_a_streams_tokens_every_stream_interval(local):
     nothing held."""
     from zoo.engine_process import EngineLoop
 
-    loop = EngineLoop(local, conn=object(), stream_interval=4)
+    loop = EngineLoop(local, conns=[object()], stream_interval=4)
     greedy = {"max_new_tokens": 11, "temperature": 0.0, "ignore_eos": True}
     sampled = {"max_new_tokens": 6, "temperature": 0.9, "seed": 3, "n": 2, "ignore_eos": True}
     loop._handle(("add", 1, [({"prompt": "def main():"}, greedy)], True))
@@ -633,7 +648,7 @@ def test_the_engine_loop_takes_a_text_prompts_ids_as_the_http_process_sent_them(
         raise AssertionError(f"the engine encoded {text!r} again")
 
     monkeypatch.setattr(local.engine.tokenizer, "encode", refuse)
-    loop = EngineLoop(local, conn=object())
+    loop = EngineLoop(local, conns=[object()])
     loop._handle(("add", 1, [({"prompt": prompt, "prompt_ids": ids}, values)], False))
     events = []
     while local.engine.has_work():
@@ -669,8 +684,186 @@ def test_the_engine_computes_on_the_cores_it_may_use_less_one_for_http():
     assert engine_threads(3, 1, 2) == 3
     assert [engine_threads(None, 1, cores) for cores in (1, 2, 8)] == [1, 1, 7]
     assert engine_threads(None, 2, 9) == 4
+    assert [engine_threads(None, 1, cores, http_processes=2) for cores in (2, 8)] == [1, 6]
     if shutil.which("taskset"):  # a process started on one core counts one
         script = "from zoo.engine_process import usable_cores; print(usable_cores())"
         pinned = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-c", script],
                                 capture_output=True, text=True, timeout=60)
         assert pinned.stdout.strip() == "1", pinned.stderr
+
+
+def connection_owners(server, pids) -> set[int]:
+    """Which of ``pids`` hold an established connection to the server's port (Linux: /proc/net/tcp, each
+    process's sockets through its file descriptors)."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == server.port and fields[3] == "01":  # local port, ESTABLISHED
+                inodes.add(fields[9])
+    owners = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    owners.add(pid)
+        except FileNotFoundError:  # a descriptor closed meanwhile
+            continue
+    return owners
+
+
+def http_processes_of(server) -> list[int]:
+    """The server process and its HTTP children (``zoo-http-N``: spawned, their command line says spawn_main),
+    not the engine process or multiprocessing's resource tracker."""
+    engine = engine_process_of(server)
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    others = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+            if child != engine and b"resource_tracker" not in cmdline.read():
+                others.append(child)
+    return [server.proc.pid] + others
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the processes through /proc")
+def test_several_http_processes_share_the_socket_and_the_engine(model_dir, local, tmp_path):
+    """server.http_processes=2 (vLLM's --api-server-count): both processes accept connections on the one port and
+    hand their requests to the one engine process, each getting its own requests' tokens; a disconnect frees its
+    blocks; SIGTERM lets every running request finish and stops every process with exit status 0."""
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "server.http_processes=2", "server.shutdown_timeout=30"], cwd=tmp_path)
+    try:
+        pids = http_processes_of(server)
+        assert len(pids) == 2
+        client, name = server.client(key="unused"), server.model_name()
+        prompts = [f"def h{i}(x" for i in range(12)]
+        lengths = [6 + (i * 5) % 30 for i in range(12)]
+        expected = [o.text for o in local.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])]
+        owners, errors = set(), []
+        for _ in range(5):  # which process accepts a connection is the kernel's choice: until both have
+            got = [None] * len(prompts)
+            holding = threading.Barrier(len(prompts) + 1)
+
+            def ask(i):
+                try:
+                    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                                      json={"prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0,
+                                            "stream": True}) as reply:
+                        lines = reply.iter_lines()
+                        text = json.loads(next(lines)[6:])["choices"][0]["text"]
+                        holding.wait(60)  # every connection open at once
+                        holding.wait(60)
+                        for line in lines:
+                            if line.startswith("data: {"):
+                                text += json.loads(line[6:])["choices"][0]["text"]
+                    got[i] = text
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(repr(exc))
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            holding.wait(60)
+            owners |= connection_owners(server, pids)
+            holding.wait(60)
+            for t in threads:
+                t.join(120)
+            assert not errors and got == expected
+            if owners == set(pids):
+                break
+        assert owners == set(pids)
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": "def f(", "max_tokens": 400, "temperature": 0, "stream": True}) as reply:
+            assert next(reply.iter_lines()).startswith("data: ")
+        wait_idle(server)
+        results = {}
+
+        def long_request(i):
+            results[i] = client.completions.create(model=name, prompt=prompts[i], max_tokens=150, temperature=0)
+
+        threads = [threading.Thread(target=long_request, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert server.proc.wait(timeout=90) == 0
+        assert [results[i].usage.completion_tokens for i in range(6)] == [150] * 6  # finished before the stop
+        for pid in pids[1:]:
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the processes through /proc")
+def test_an_http_process_that_dies_stops_the_server_with_one_line(model_dir, tmp_path):
+    """The second HTTP process killed outright: the server says which one stopped, stops the others and the
+    engine, and exits 1 instead of serving on with half its connections cut."""
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "server.http_processes=2"], cwd=tmp_path)
+    try:
+        pids = http_processes_of(server)
+        engine = engine_process_of(server)
+        os.kill(pids[1], signal.SIGKILL)
+        assert server.proc.wait(timeout=60) == 1
+        stderr = server.proc.stderr.read()
+        assert "error: zoo-http-1 stopped (exit status -9); stopping the server" in stderr
+        assert "Traceback" not in stderr
+        deadline = time.time() + 30
+        while time.time() < deadline and os.path.exists(f"/proc/{engine}"):
+            if open(f"/proc/{engine}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            assert not os.path.exists(f"/proc/{engine}"), "the engine process outlived the server"
+    finally:
+        server.stop()
+
+
+def test_the_engine_loop_answers_each_http_process_on_its_own_pipe(local):
+    """Two HTTP processes' pipes into one engine loop: each gets only its own requests' events (process i numbers
+    its requests i, i + 2, ...); when one stops, its running requests are aborted and the other's go on; when both
+    have, the loop ends."""
+    import multiprocessing
+
+    from zoo.engine_process import EngineLoop
+
+    values = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    expected = local.generate(["def main():", "import os"], SamplingParams(**values))  # before the loop's thread
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    loop = EngineLoop(local, [child for _, child in pipes])
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    long = {"max_new_tokens": local.engine.max_model_len - 8, "temperature": 0.0, "ignore_eos": True}
+    first, second = pipes[0][0], pipes[1][0]
+    first.send(("add", 2, [({"prompt": "def main():"}, values)], True))
+    second.send(("add", 3, [({"prompt": "import os"}, values)], True))
+    second.send(("add", 5, [({"prompt": "class A:"}, long)], True))
+
+    def events_until(conn, done):
+        seen = []
+        while not done(seen):
+            assert conn.poll(60), "no events"
+            seen += conn.recv()[1]
+        return seen
+
+    mine = events_until(first, lambda seen: any(e[0] == "finished" for _, e in seen))
+    theirs = events_until(second, lambda seen: any(e[0] == "finished" for _, e in seen))
+    assert {ident for ident, _ in mine} == {2} and {ident for ident, _ in theirs} <= {3, 5}
+    assert [e[2].token_ids for _, e in mine if e[0] == "finished"] == [expected[0].token_ids]
+    assert [e[2].token_ids for _, e in theirs if e[0] == "finished"] == [expected[1].token_ids]
+    assert 5 in loop.requests_of and not [e for _, e in theirs if e[0] == "error"]
+    second.send(("stop", None))  # its long request is aborted; the first pipe is still served
+    deadline = time.time() + 60
+    while loop.requests_of and time.time() < deadline:
+        time.sleep(0.05)
+    assert not loop.requests_of and not local.engine.has_work()
+    first.send(("add", 4, [({"prompt": "def main():"}, values)], False))
+    again = events_until(first, lambda seen: any(e[0] == "finished" for _, e in seen))
+    assert [e[2].token_ids for _, e in again if e[0] == "finished"] == [expected[0].token_ids]
+    first.close()  # the last one gone: the loop ends
+    runner.join(60)
+    assert not runner.is_alive()

@@ -6,7 +6,8 @@ writes streams (at concurrency 64 on the H200, one process for both spent about 
 Handlers hand it requests and aborts through a pipe (:class:`EngineClient`); its loop (:class:`EngineLoop`) adds
 what came, steps, and sends each step's events back in one message, which a reader thread hands to the handlers'
 event loops. Under tensor parallelism there is one such process per rank; rank 0 talks to the HTTP process and
-hands the others the same messages.
+hands the others the same messages. With ``server.http_processes`` N, N HTTP processes share the listening socket,
+each with a pipe of its own to the one engine loop, which sends each its own requests' events.
 """
 
 import asyncio
@@ -17,6 +18,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 from omegaconf import DictConfig
 
@@ -39,13 +41,16 @@ class Submission:
 
 
 class EngineLoop:
-    """The engine process's loop: requests and aborts come in through ``conn``; each step's events go back in one
-    message, with the engine's state (for ``/metrics`` and the waiting-queue cap)."""
+    """The engine process's loop: requests and aborts come in through ``conns``, one pipe per HTTP process; each
+    step's events go back to each in one message, with the engine's state (for ``/metrics`` and the waiting-queue
+    cap). HTTP process ``i`` of ``n`` numbers its requests ``i, i + n, i + 2n, ...``, so a request's number says
+    which pipe its events go to."""
 
-    def __init__(self, llm, conn, control=None, stream_interval: int = 1):
-        # conn: the pipe to the HTTP process (tensor-parallel rank 0 only); control: under tensor parallelism,
-        # the group over which rank 0 hands every rank the same messages at the same point of the loop
-        self.llm, self.engine, self.conn, self.control = llm, llm.engine, conn, control
+    def __init__(self, llm, conns: list, control=None, stream_interval: int = 1):
+        # conns: the pipes to the HTTP processes (tensor-parallel rank 0 only; None where one has closed); control:
+        # under tensor parallelism, the group over which rank 0 hands every rank the same messages at the same point
+        # of the loop
+        self.llm, self.engine, self.conns, self.control = llm, llm.engine, list(conns), control
         self.stream_interval = stream_interval  # server.stream_interval
         # submission -> (prompt index, sample) -> tokens held back until stream_interval are due
         self.held: dict[int, dict[tuple[int, int], list[int]]] = {}
@@ -59,30 +64,37 @@ class EngineLoop:
     def run(self) -> None:
         while True:
             for message in self._messages():
-                if message[0] == "stop":
+                if message[0] == "stop":  # the last HTTP process has gone
                     for ident in list(self.requests_of):
                         self._abort(ident)
                     return
                 self._handle(message)
             if self.engine.has_work():
                 self._step()
-            if self.conn is None:  # another rank: rank 0 reports
+            if not self.conns:  # another rank: rank 0 reports
                 self.outbox.clear()
                 continue
-            try:
-                self._send()
-            except OSError:  # the HTTP process is gone: the next read says so
-                pass
+            self._send()
 
     def _messages(self) -> list:
-        """What arrived since the last step; waits only when there is nothing to step. Under tensor parallelism
-        rank 0 reads the pipe and broadcasts what it read, so every rank adds, aborts and steps alike."""
+        """What arrived since the last step; waits only when there is nothing to step. An HTTP process that stops
+        or goes away becomes ``("closed", its index, their count)``, and the last one ``("stop", None)``. Under tensor
+        parallelism rank 0 reads the pipes and broadcasts what it read, so every rank adds, aborts and steps
+        alike."""
         messages = []
-        if self.conn is not None:
-            try:
-                while self.conn.poll(0 if self.engine.has_work() or messages else None):
-                    messages.append(self.conn.recv())
-            except (EOFError, OSError):  # the HTTP process is gone
+        if self.conns:
+            for index in self._readable(block=not self.engine.has_work()):
+                conn = self.conns[index]
+                try:
+                    while conn.poll(0):
+                        message = conn.recv()
+                        if message[0] == "stop":
+                            raise EOFError
+                        messages.append(message)
+                except (EOFError, OSError):  # this HTTP process stops or is gone
+                    messages.append(("closed", index, len(self.conns)))
+                    self.conns[index] = None
+            if all(conn is None for conn in self.conns):
                 messages.append(("stop", None))
         if self.control is not None:
             import torch.distributed as dist
@@ -92,10 +104,22 @@ class EngineLoop:
             messages = box[0]
         return messages
 
+    def _readable(self, block: bool) -> list[int]:
+        """The indices of the open pipes with something to read; waits for one when ``block``."""
+        open_ = [index for index, conn in enumerate(self.conns) if conn is not None]
+        if len(open_) == 1:  # one HTTP process: its pipe's own poll (bench/engine_loop_host.py's stand-in has no fd)
+            return open_ if self.conns[open_[0]].poll(None if block else 0) else []
+        ready = wait([self.conns[index] for index in open_], None if block else 0)
+        return [index for index in open_ if self.conns[index] in ready]
+
     def _handle(self, message) -> None:
         kind, ident = message[0], message[1]
         if kind == "abort":
             self._abort(ident)
+            return
+        if kind == "closed":  # HTTP process ``ident`` of ``message[2]``: nobody reads its requests' events any more
+            for number in [number for number in self.requests_of if number % message[2] == ident]:
+                self._abort(number)
             return
         try:
             self._add(ident, message[2], message[3])
@@ -113,7 +137,7 @@ class EngineLoop:
                 self._abort(ident)
             return
         now, count, finished = time.monotonic(), 0, {}
-        streams = self.streamed if self.conn is not None else ()
+        streams = self.streamed if self.conns else ()
         for request, tokens in stepped:
             count += len(tokens)
             group = request.group
@@ -155,7 +179,17 @@ class EngineLoop:
         return []
 
     def _send(self) -> None:
-        self.conn.send(("events", self.outbox, self.state()))
+        count, state = len(self.conns), self.state()
+        outboxes = [self.outbox] if count == 1 else [[] for _ in range(count)]
+        if count > 1:
+            for ident, event in self.outbox:
+                outboxes[ident % count].append((ident, event))
+        for conn, events in zip(self.conns, outboxes):
+            if conn is not None:
+                try:
+                    conn.send(("events", events, state))
+                except OSError:  # that HTTP process is gone: the next read says so
+                    pass
         self.outbox = []
 
     def _add(self, ident: int, items, stream: bool) -> None:
@@ -195,13 +229,13 @@ class EngineLoop:
                 "tokens_per_request_step": engine.stats.generated_tokens / steps if steps else 0.0}
 
 
-def engine_threads(setting: int | None, world: int, cores: int) -> int:
+def engine_threads(setting: int | None, world: int, cores: int, http_processes: int = 1) -> int:
     """Compute threads of each engine process: ``server.engine_threads``, else the ``cores`` it may use
-    (`usable_cores`) less one for the HTTP process, shared by the ``world`` ranks, at least one. On a 2-core CPU
+    (`usable_cores`) less one for each HTTP process, shared by the ``world`` ranks, at least one. On a 2-core CPU
     at 64 streaming clients, an engine computing on both cores kept 1.3-1.4 of them busy for 4575 tok/s (the median
     of three) against 5148 on 0.9-1.0 with one thread, and at 16 clients 4282 against 5346: its threads waited on
     each other while the HTTP process and the clients held a core (bench/results/serve/cpu_engine_threads_ab.txt)."""
-    return setting if setting is not None else max(1, (cores - 1) // world)
+    return setting if setting is not None else max(1, (cores - http_processes) // world)
 
 
 def usable_cores() -> int:
@@ -212,9 +246,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def engine_process(config: dict, conn, rank: int = 0, world: int = 1, port: int = 0) -> None:
-    """One engine process (one tensor-parallel rank of ``world``): builds the LLM, tells the HTTP process what it
-    serves (rank 0, the one with ``conn``), then runs :class:`EngineLoop`."""
+def engine_process(config: dict, conns: list, rank: int = 0, world: int = 1, port: int = 0) -> None:
+    """One engine process (one tensor-parallel rank of ``world``): builds the LLM, tells the HTTP processes what it
+    serves (rank 0, the one with their ``conns``), then runs :class:`EngineLoop`."""
     import traceback
 
     from omegaconf import OmegaConf
@@ -225,14 +259,16 @@ def engine_process(config: dict, conn, rank: int = 0, world: int = 1, port: int 
                           MASTER_PORT=str(port))
 
     def report(*message) -> None:
-        if conn is not None:
+        for conn in conns:
             conn.send(message)
-        else:
+        if not conns:
             print(f"error: {message[1]}", file=sys.stderr, flush=True)
 
     import torch
 
-    torch.set_num_threads(engine_threads(config["server"].get("engine_threads"), world, usable_cores()))
+    server = config["server"]
+    torch.set_num_threads(engine_threads(server.get("engine_threads"), world, usable_cores(),
+                                         int(server.get("http_processes") or 1)))
     try:
         from zoo.llm import LLM
 
@@ -252,25 +288,25 @@ def engine_process(config: dict, conn, rank: int = 0, world: int = 1, port: int 
         traceback.print_exc()
         report("failed", f"the engine did not start: {type(exc).__name__}: {exc}", 1)
         return
-    if conn is None:
-        serve_rank(llm, None, control)
+    if not conns:
+        serve_rank(llm, [], control)
         return
     engine = llm.engine
     folder = engine.checkpoint.folder
-    conn.send(("ready", {"adapters": sorted(engine.adapters.entries), "max_model_len": engine.max_model_len,
-                         "vocab_size": engine.description.vocab_size, "tokenizer": llm.tokenizer,
-                         "folder": None if folder is None else str(folder),
-                         "takes_images": "images" in engine.intake.fields}))
-    serve_rank(llm, conn, control, int(config["server"].get("stream_interval") or 1))
+    report("ready", {"adapters": sorted(engine.adapters.entries), "max_model_len": engine.max_model_len,
+                     "vocab_size": engine.description.vocab_size, "tokenizer": llm.tokenizer,
+                     "folder": None if folder is None else str(folder),
+                     "takes_images": "images" in engine.intake.fields})
+    serve_rank(llm, conns, control, int(server.get("stream_interval") or 1))
 
 
-def serve_rank(llm, conn, control, stream_interval: int = 1) -> None:
-    """Runs the loop until the HTTP process stops it or goes away. Under tensor parallelism, a failed collective
-    (another rank died) ends this rank with one line, and the process group is left cleanly otherwise."""
+def serve_rank(llm, conns: list, control, stream_interval: int = 1) -> None:
+    """Runs the loop until every HTTP process has stopped it or gone away. Under tensor parallelism, a failed
+    collective (another rank died) ends this rank with one line, and the process group is left cleanly otherwise."""
     from zoo import parallel
 
     try:
-        EngineLoop(llm, conn, control, stream_interval).run()
+        EngineLoop(llm, conns, control, stream_interval).run()
     except Exception as exc:  # noqa: BLE001 - only under tensor parallelism: the ranks can no longer agree
         print(f"error: zoo.serve engine rank stopped: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group's teardown would wait on the rank that failed
@@ -278,32 +314,24 @@ def serve_rank(llm, conn, control, stream_interval: int = 1) -> None:
 
 
 class EngineClient:
-    """The HTTP process's side of the engine process: sends requests and aborts, and a reader thread hands each
-    step's events to the handlers' event loop, one wake-up of each loop per step."""
+    """An HTTP process's side of the engine process: sends requests and aborts through its pipe (``conn``), and a
+    reader thread hands each step's events to the handlers' event loop, one wake-up of each loop per step. HTTP
+    process ``index`` of ``count``; ``ranks``: the engine processes, where this process started them
+    (:meth:`start`)."""
 
-    def __init__(self, cfg: DictConfig):
-        import multiprocessing
-
-        from omegaconf import OmegaConf
-
-        context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and CUDA state
-        self.conn, child = context.Pipe()
-        config, world = OmegaConf.to_container(cfg, resolve=True), int(cfg.runtime.tensor_parallel_size)
-        port = free_port() if world > 1 else 0
-        # one process per tensor-parallel rank; rank 0 talks to this process, the others follow rank 0
-        self.ranks = [context.Process(target=engine_process, args=(config, child if rank == 0 else None, rank, world,
-                                                                  port), name=f"zoo-engine-{rank}", daemon=True)
-                      for rank in range(world)]
-        for process in self.ranks:
-            process.start()
-        self.process = self.ranks[0]
-        child.close()
+    def __init__(self, conn, index: int = 0, count: int = 1, ranks: list | None = None):
+        self.conn, self.index, self.count = conn, index, count
+        self.ranks = ranks or []
+        self.process = self.ranks[0] if self.ranks else None
         self.info, self.failure = None, None
         try:
             message = self.conn.recv()
         except EOFError:
-            self.process.join()
-            message = ("failed", f"the engine process exited with status {self.process.exitcode}", 1)
+            status = "unknown"
+            if self.process is not None:
+                self.process.join()
+                status = self.process.exitcode
+            message = ("failed", f"the engine process exited with status {status}", 1)
         if message[0] == "failed":
             self.failure = message[1:]
             return
@@ -311,11 +339,35 @@ class EngineClient:
         self.state = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0, "generated_tokens": 0,
                       "tokens_per_second": 0.0, "tokens_per_request_step": 0.0}
         self.submissions: dict[int, Submission] = {}
-        self.next_ident = 0
+        self.next_ident = index  # this process's requests are index, index + count, ...: the engine's pipe for each
         self.send_lock = threading.Lock()
         self.stopping = False  # stop() was called: the pipe's end is expected
         self.reader = threading.Thread(target=self._read, name="zoo-engine-reader", daemon=True)
         self.reader.start()
+
+    @classmethod
+    def start(cls, cfg: DictConfig) -> tuple["EngineClient", list]:
+        """Starts the engine processes, with a pipe for each of the ``server.http_processes``: this process's
+        client, and the other HTTP processes' ends of their pipes."""
+        import multiprocessing
+
+        from omegaconf import OmegaConf
+
+        context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and CUDA state
+        count = int(cfg.server.get("http_processes") or 1)
+        pipes = [context.Pipe() for _ in range(count)]
+        children = [child for _, child in pipes]
+        config, world = OmegaConf.to_container(cfg, resolve=True), int(cfg.runtime.tensor_parallel_size)
+        port = free_port() if world > 1 else 0
+        # one process per tensor-parallel rank; rank 0 talks to the HTTP processes, the others follow rank 0
+        ranks = [context.Process(target=engine_process, args=(config, children if rank == 0 else [], rank, world,
+                                                             port), name=f"zoo-engine-{rank}", daemon=True)
+                 for rank in range(world)]
+        for process in ranks:
+            process.start()
+        for child in children:
+            child.close()
+        return cls(pipes[0][0], 0, count, ranks), [parent for parent, _ in pipes[1:]]
 
     @property
     def alive(self) -> bool:
@@ -324,7 +376,7 @@ class EngineClient:
     def submit(self, submission: Submission) -> None:
         if not self.alive:
             raise EngineStopped("the engine process has stopped; restart the server")
-        self.next_ident += 1
+        self.next_ident += self.count
         submission.ident, submission.unfinished = self.next_ident, len(submission.items)
         self.submissions[submission.ident] = submission
         self._send(("add", submission.ident, submission.items, submission.stream))
@@ -334,6 +386,8 @@ class EngineClient:
             self._send(("abort", submission.ident))
 
     def stop(self) -> None:
+        """This HTTP process is done: the engine aborts what it still runs for it, and ends with the last one's
+        stop (the processes that started the engine wait for that)."""
         self.stopping = True
         self._send(("stop", None))
         for process in self.ranks:
@@ -353,8 +407,10 @@ class EngineClient:
             try:
                 _, events, state = self.conn.recv()
             except (EOFError, OSError) as exc:
-                self.process.join(timeout=1)  # reaped, so that its exit status is known
-                status = self.process.exitcode
+                status = None
+                if self.process is not None:
+                    self.process.join(timeout=1)  # reaped, so that its exit status is known
+                    status = self.process.exitcode
                 cause = f"exit status {status}" if status is not None else repr(exc)
                 failure = f"the engine process stopped ({cause})"
                 if not self.stopping:  # the server's log says why its streams ended

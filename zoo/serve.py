@@ -26,6 +26,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -516,7 +517,7 @@ def serve(cfg: DictConfig) -> int:
     try:
         check_settings(cfg, run=True, serve=True)
         import fastapi  # noqa: F401 - the serve extra
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"error: python -m zoo.serve needs the serve extra (pip install 'zoo-runtime[serve]'): {exc}",
               file=sys.stderr)
@@ -524,30 +525,166 @@ def serve(cfg: DictConfig) -> int:
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTING
-    engine = EngineClient(cfg)
+    engine, other_pipes = EngineClient.start(cfg)
     if engine.failure is not None:
         message, status = engine.failure
         print(f"error: {message}", file=sys.stderr)
         return status
+    try:  # server.http_processes > 1: each binds the port with SO_REUSEPORT, this one first
+        listener = listening_socket(cfg, shared=bool(other_pipes))
+    except OSError as exc:
+        print(f"error: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc}", file=sys.stderr)
+        for pipe in other_pipes:
+            pipe.close()
+        engine.stop()
+        return EXIT_BAD_SETTING
+    others = []
+    if other_pipes:
+        import multiprocessing
+
+        from omegaconf import OmegaConf
+
+        context, config = multiprocessing.get_context("spawn"), OmegaConf.to_container(cfg, resolve=True)
+        started = []
+        for index, pipe in enumerate(other_pipes, 1):
+            said, says = context.Pipe(duplex=False)  # "listening", or why not
+            process = context.Process(target=http_process, args=(config, pipe, index, len(other_pipes) + 1, says),
+                                      name=f"zoo-http-{index}", daemon=False)
+            process.start()
+            pipe.close()  # the engine sees that process's end close when it stops or dies
+            says.close()
+            others.append(process)
+            started.append(said)
+        # this process serves only once the others listen too: the first clients spread over all of them
+        failure = next((why for why in map(_started, others, started) if why is not None), None)
+        if failure is not None:
+            print(f"error: {failure}", file=sys.stderr)
+            for process in others:
+                process.terminate()
+                process.join(30)
+            engine.stop()
+            return 1
+    status = run_http(cfg, engine, listener, others)
+    print("zoo.serve stopped", file=sys.stderr)
+    return status
+
+
+def listening_socket(cfg: DictConfig, shared: bool):
+    """The socket on server.host and server.port, bound before uvicorn starts so that a port in use is one line.
+    ``shared``: one of several HTTP processes, each of which binds the port for itself (SO_REUSEPORT): Linux
+    spreads new connections over their sockets by a hash of the connection's addresses, rather than to whichever
+    process wakes first on one shared socket."""
+    import socket
+
+    if shared and not hasattr(socket, "SO_REUSEPORT"):
+        raise OSError("server.http_processes above 1 needs SO_REUSEPORT (Linux)")
+    host = str(cfg.server.host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, int(cfg.server.port)), family=family, backlog=2048, reuse_port=shared)
+
+
+def _started(process, said, timeout: float = 300) -> str | None:
+    """None once ``process`` says it listens; else why it did not start."""
+    try:
+        if said.poll(timeout):
+            message = said.recv()
+            return None if message[0] == "listening" else f"{process.name} did not start: {message[1]}"
+    except EOFError:
+        process.join(5)
+    return f"{process.name} did not start (exit status {process.exitcode})"
+
+
+def http_process(config: dict, pipe, index: int, count: int, says) -> None:
+    """HTTP process ``index`` of ``count`` (``server.http_processes``): the first one's sibling on the same port
+    and engine. It says on ``says`` when it listens (or why it cannot), and stops with the first one (which passes
+    its SIGTERM on) or when that one dies."""
+    from multiprocessing import parent_process
+    from multiprocessing.connection import wait
+
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(config)
+    engine = EngineClient(pipe, index, count)
+    if engine.failure is not None:  # the engine failed after the first HTTP process saw it start
+        says.send(("failed", engine.failure[0]))
+        sys.exit(1)
+    try:
+        listener = listening_socket(cfg, shared=True)
+    except OSError as exc:
+        says.send(("failed", f"cannot listen on {cfg.server.host}:{cfg.server.port}: {exc}"))
+        engine.stop()
+        sys.exit(1)
+    says.send(("listening",))
+
+    def stop_with_the_first():
+        wait([parent_process().sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_with_the_first, daemon=True).start()
+    sys.exit(run_http(cfg, engine, listener, []))
+
+
+def run_http(cfg: DictConfig, engine: EngineClient, listener, others: list) -> int:
+    """Serves HTTP on the socket ``listener`` until SIGTERM or Ctrl-C, then
+    finishes what runs within server.shutdown_timeout. ``others``: the other HTTP processes, which this one started:
+    they get its SIGTERM, and one that dies stops the server."""
+    import uvicorn
+
     server = Server(cfg, engine)
-    config = uvicorn.Config(build_app(server), host=str(cfg.server.host), port=int(cfg.server.port),
-                            log_level="warning", timeout_graceful_shutdown=int(cfg.server.shutdown_timeout))
-    http = uvicorn.Server(config)
-    print(f"zoo serving {', '.join(server.model_names())} on http://{cfg.server.host}:{cfg.server.port}"
-          + (" (API key required)" if server.api_key else ""), file=sys.stderr, flush=True)
+    config = uvicorn.Config(build_app(server), log_level="warning",
+                            timeout_graceful_shutdown=int(cfg.server.shutdown_timeout))
+    http = _uvicorn_server(config, others)
+    if engine.index == 0:
+        count = f" ({engine.count} HTTP processes)" if engine.count > 1 else ""
+        print(f"zoo serving {', '.join(server.model_names())} on http://{cfg.server.host}:{cfg.server.port}{count}"
+              + (" (API key required)" if server.api_key else ""), file=sys.stderr, flush=True)
+    failed = []
+    if others:
+        threading.Thread(target=_stop_if_one_dies, args=(others, http, failed), daemon=True).start()
     # uvicorn raises the signal again once it has shut down; this handler, which it restores first, takes it, so
     # that a SIGTERM ends in exit status 0
     signal.signal(signal.SIGTERM, lambda *_: None)
     status = 0
     try:
-        http.run()  # SIGTERM and Ctrl-C: stop accepting, finish what runs within shutdown_timeout, return
+        http.run(sockets=[listener])
     except KeyboardInterrupt:
         status = 130
     finally:
+        for process in others:
+            process.join(int(cfg.server.shutdown_timeout) + 30)
+            if process.is_alive():
+                process.kill()
         engine.stop()  # aborts whatever is left and frees its blocks
         server.media_tmp.cleanup()
-    print("zoo.serve stopped", file=sys.stderr)
-    return status
+    return 1 if failed else status
+
+
+def _uvicorn_server(config, others: list):
+    """uvicorn's server, passing the signal that stops it (SIGTERM, Ctrl-C) on to ``others`` as SIGTERM, so that
+    every HTTP process stops accepting and finishes its requests at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            for process in others:
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGTERM)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def _stop_if_one_dies(others: list, http, failed: list) -> None:
+    from multiprocessing.connection import wait
+
+    ended = wait([process.sentinel for process in others])
+    if not http.should_exit:  # it died on its own: the clients it held are cut off, so the server stops
+        process = next(p for p in others if p.sentinel in ended)
+        process.join()
+        print(f"error: {process.name} stopped (exit status {process.exitcode}); stopping the server",
+              file=sys.stderr, flush=True)
+        failed.append(process.name)
+        http.handle_exit(signal.SIGTERM, None)
 
 
 def main() -> None:

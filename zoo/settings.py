@@ -109,6 +109,7 @@ SERVE = {  # zoo.serve's own keys
     "server.allowed_media_dir": Setting(str, optional=True),
     "server.engine_threads": Setting(int, 1, optional=True),
     "server.stream_interval": Setting(int, 1),
+    "server.http_processes": Setting(int, 1),
 }
 # Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
 TOP_LEVEL = {"model", "decoding", "runtime", "processor", "experiment", "prompt", "input", "output", "sampling",
