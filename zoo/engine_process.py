@@ -6,7 +6,7 @@ writes streams (at concurrency 64 on the H200, one process for both spent about 
 Handlers hand it requests and aborts through a pipe (:class:`EngineClient`); its loop (:class:`EngineLoop`) adds
 what came, steps, and sends each step's events back in one message, which a reader thread hands to the handlers'
 event loops. Under tensor parallelism there is one such process per rank; rank 0 talks to the HTTP process and
-hands the others the same messages. With ``server.http_processes`` N, N HTTP processes share the listening socket,
+hands the others the same messages. With ``server.http_processes`` N, N HTTP processes share the port,
 each with a pipe of its own to the one engine loop, which sends each its own requests' events.
 """
 

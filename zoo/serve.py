@@ -625,9 +625,9 @@ def http_process(config: dict, pipe, index: int, count: int, says) -> None:
 
 
 def run_http(cfg: DictConfig, engine: EngineClient, listener, others: list) -> int:
-    """Serves HTTP on the socket ``listener`` until SIGTERM or Ctrl-C, then
-    finishes what runs within server.shutdown_timeout. ``others``: the other HTTP processes, which this one started:
-    they get its SIGTERM, and one that dies stops the server."""
+    """Serves HTTP on the socket ``listener`` until SIGTERM or Ctrl-C, then finishes what runs within
+    server.shutdown_timeout. ``others``: the other HTTP processes, which this one started: they get its SIGTERM,
+    and one that dies stops the server."""
     import uvicorn
 
     server = Server(cfg, engine)
