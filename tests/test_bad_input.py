@@ -145,7 +145,8 @@ def test_bad_requests_are_rejected_and_the_rest_complete(checkpoints, tmp_path):
                 "unknown request field(s): temprature"]
     for error, fragment in zip(errors, expected):
         assert fragment in error, (fragment, error)
-    assert "requests: " in proc.stderr and f"failed requests: {len(lines) - 2} of {len(lines)}" in proc.stderr
+    assert f"requests: {len(lines)}  prompt tokens" in proc.stderr  # refused ones too, each counted once
+    assert f"failed requests: {len(lines) - 2} of {len(lines)}" in proc.stderr
 
 
 def test_request_too_big_for_cache_is_rejected(checkpoints):

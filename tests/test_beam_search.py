@@ -108,6 +108,10 @@ def test_beams_share_blocks_and_copy_only_the_written_one(llama):
             shared.append(len(firsts) == 1 and engine.blocks.ref_counts[group.beams[0].block_ids[0]] >= 4)
     assert shared and all(shared)
     assert len(request.beam_hypotheses) == 4 and engine.blocks.num_used_blocks == 0
+    # the run's summary counts the caller's one request, its four beams as sequences, and its first token's time
+    first = engine.summary().splitlines()[:2]
+    assert first[0].startswith("requests: 1 (4 sequences)") and "time to first token: n/a" not in first[1]
+    assert len(engine.stats.time_to_first_token) == 1
 
 
 @pytest.mark.parametrize("extra, message", [({"temperature": 0.5}, "temperature > 0"), ({"n": 2}, "n > 1"),

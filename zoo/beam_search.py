@@ -96,6 +96,7 @@ class BeamSearch:
         engine, leader = self.engine, group.leader
         params, width = leader.params, leader.params.beam_width
         generated = len(leader.output_token_ids)  # the same for every beam
+        engine.stats.record_first_token(leader)  # its first candidates: what its first token will be among
         prompt_len = len(leader.prompt_token_ids)
         limit = min(params.max_new_tokens, engine.max_model_len - prompt_len)
         # transformers applies its logits processors to the log-probs

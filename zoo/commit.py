@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from zoo.decoding import verify
@@ -173,9 +171,7 @@ class Committer:
         stats = self.engine.stats
         request.output_token_ids.append(token)
         stats.generated_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = time.perf_counter()
-            stats.time_to_first_token.append(request.first_token_time - request.arrival_time)
+        stats.record_first_token(request)
         if request.params.logprobs is not None:
             request.output_logprobs.append(Sampler.logprobs(logits[row], token, request.params.logprobs))
         if request.params.return_logits:

@@ -22,7 +22,8 @@ class RequestIntake:
         # Fields only plugins that sit this run out read: worth naming in the error.
         self.inactive_readers = {f: status for status in engine.plugins if not status.active
                                  for f in status.request_fields}
-        self.next_id = 0
+        self.next_id = 0  # sequences: every sample of n and every beam is a request of its own
+        self.requests = 0  # the callers' requests, refused ones included
 
     def _new(self, params: SamplingParams, **kwargs) -> Request:
         request = Request(self.next_id, [], params, **kwargs)
@@ -31,7 +32,9 @@ class RequestIntake:
 
     def reject(self, message: str, output_id=None, request: Request | None = None) -> Request:
         """Finish ``request`` (or a new empty one) with an error; plugins hear of it."""
-        request = request or self._new(SamplingParams(), output_id=output_id)
+        if request is None:  # refused before it became a request
+            self.requests += 1
+            request = self._new(SamplingParams(), output_id=output_id)
         request.finish("error", message)
         self.hooks.zoo_request_finished(request=request)
         return request
@@ -41,6 +44,7 @@ class RequestIntake:
         """The request, queued; with ``params.n`` > 1 the first of its samples, which lists them all. The
         others go through every check and hook as requests of their own, but wait until the first has computed
         the prompt: they then take its blocks from the prefix cache instead of computing them again."""
+        self.requests += 1
         request = self._add_one(prompt, prompt_token_ids, params, extras, source_dir, queue=True)
         if params.n == 1 or request.is_finished:
             return request

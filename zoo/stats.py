@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -19,6 +20,12 @@ class EngineStats:
     token_steps: int = 0  # (request, step) pairs that produced generated tokens
     drafted_depth: list[int] = field(default_factory=list)  # [d]: verified blocks reaching depth d + 1
     accepted_depth: list[int] = field(default_factory=list)  # [d]: of those, how many accepted a token there
+
+    def record_first_token(self, request) -> None:
+        """``request`` has its first token now, unless it had one already: its time to first token."""
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+            self.time_to_first_token.append(request.first_token_time - request.arrival_time)
 
     def record_draft(self, max_depth: int, accepted: int) -> None:
         for counts, n in ((self.drafted_depth, max_depth), (self.accepted_depth, accepted)):
@@ -43,7 +50,10 @@ def summary(engine) -> str:
     ttft_text = f"{1000 * ttft[len(ttft) // 2]:.1f} ms median" if ttft else "n/a"
     prefill_rate = s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0
     decode_rate = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
-    lines = [f"requests: {engine.intake.next_id}  prompt tokens: {s.prompt_tokens} "
+    intake = engine.intake
+    # the callers' requests; each sample of n and each beam runs as a sequence of its own
+    sequences = f" ({intake.next_id} sequences)" if intake.next_id != intake.requests else ""
+    lines = [f"requests: {intake.requests}{sequences}  prompt tokens: {s.prompt_tokens} "
              f"(prefix-cache hits: {engine.blocks.prefix_hit_tokens})  generated tokens: {s.generated_tokens}",
              f"time to first token: {ttft_text}  prefill: {prefill_rate:.1f} tok/s  "
              f"decode: {decode_rate:.1f} tok/s  ({s.steps} steps)",
