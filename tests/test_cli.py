@@ -138,6 +138,7 @@ def test_streamed_token_events_concatenate_to_each_record(tmp_path):
     requests with a record."""
     path = tmp_path / "in.jsonl"
     lines = [json.dumps({"prompt": f"def f{i}(", "max_new_tokens": 6 + 3 * i}) for i in range(4)]
+    lines[2] = json.dumps({"prompt": "def f2(", "max_new_tokens": 12, "logprobs": 1})
     lines.append(json.dumps({"prompt": "import os", "max_new_tokens": 12, "stop": ["e"]}))
     path.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
@@ -153,6 +154,10 @@ def test_streamed_token_events_concatenate_to_each_record(tmp_path):
         assert events and all(i < first_record_row[rid] for i, _ in events)
         assert [t for _, e in events for t in e["token_ids"]] == record["token_ids"]
         assert "".join(e["text"] for _, e in events) == record["text"]
+        if rid == 3:  # asked for log-probs: each line carries its tokens'
+            assert [entry for _, e in events for entry in e["logprobs"]] == record["logprobs"]
+        else:
+            assert all("logprobs" not in e for _, e in events)
     assert records[5]["finish_reason"] in ("stop", "length") and "e" not in records[5]["text"]
     interleaved = [r["id"] for r in rows if r.get("event") == "token"]
     assert interleaved != sorted(interleaved)  # a batch: requests' events interleave

@@ -180,6 +180,23 @@ def test_stream_yields_tokens_in_order():
     assert seen == expected and sorted(finished) == [0, 1, 2]
 
 
+def test_stream_events_carry_their_tokens_logprobs():
+    """With logprobs asked for, each event carries its own tokens' entries, and they join to the output's (under
+    EAGLE too, which commits several tokens a step); without, none."""
+    for llm in (LLM(), LLM(overrides=["decoding=eagle"])):
+        params = [SamplingParams(max_new_tokens=9, logprobs=2), SamplingParams(max_new_tokens=5)]
+        joined, outputs = {0: [], 1: []}, {}
+        for event in llm.stream(["def main():", "import os"], params):
+            if event.index == 1:
+                assert event.logprobs is None
+                continue
+            assert [e["token_id"] for e in event.logprobs or []] == event.token_ids
+            joined[0] += event.logprobs or []
+            if event.finished:
+                outputs[0] = event.output
+        assert len(joined[0]) == 9 and joined[0] == outputs[0].logprobs
+
+
 class Force:
     """Forces the tokens of ``forced`` one after the other (a test plugin)."""
 

@@ -204,6 +204,41 @@ def test_n_logprobs_and_penalties_map_onto_sampling(served, local):
     assert streamed == [c.text for c in reply.choices]
 
 
+def test_a_stream_carries_each_chunks_logprobs(served, model_dir):
+    """Streamed with logprobs (completions, chat; greedy, and n=2 sampled): each chunk carries its tokens'
+    log-probs, which join to those of the same request not streamed."""
+    client, name = served.client(), served.model_name()
+    for settings in (dict(temperature=0.0), dict(temperature=0.9, seed=7, n=2)):
+        reply = client.completions.create(model=name, prompt="def main(", max_tokens=9, logprobs=3, **settings)
+        chunks = list(client.completions.create(model=name, prompt="def main(", max_tokens=9, logprobs=3,
+                                                stream=True, **settings))
+        for choice in reply.choices:
+            mine = [c.choices[0].logprobs for c in chunks
+                    if c.choices and c.choices[0].index == choice.index and c.choices[0].logprobs is not None]
+            assert mine and len(choice.logprobs.tokens) == 9
+            for field in ("tokens", "token_logprobs", "top_logprobs"):
+                assert sum((getattr(m, field) for m in mine), []) == getattr(choice.logprobs, field)
+    messages = [{"role": "user", "content": "write a function"}]
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=7, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=7, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs is not None
+                for entry in c.choices[0].logprobs.content]
+    whole = reply.choices[0].logprobs.content
+    # the second request takes the chat prompt's full blocks from the prefix cache and computes only the rest:
+    # the same tokens, log-probs equal to float32 rounding
+    assert len(whole) == 7 and [e.token for e in streamed] == [e.token for e in whole]
+    for mine, theirs in zip(streamed, whole):
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in theirs.top_logprobs]
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t.logprob for t in mine.top_logprobs] == pytest.approx([t.logprob for t in theirs.top_logprobs],
+                                                                       abs=1e-4)
+    plain = list(client.completions.create(model=name, prompt="def main(", max_tokens=4, temperature=0,
+                                           stream=True))
+    assert all(c.choices[0].logprobs is None for c in plain if c.choices)  # not asked for: none
+
+
 def raw(served, path, body=None, key=KEY, method="POST", content=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if method == "GET":
@@ -560,7 +595,8 @@ def test_the_engine_loop_sends_tokens_only_for_streams(local):
     assert not [e for i, e in events if i == 2 and e[0] == "delta"]
     assert [e[4] for e in streamed] == [None] * (len(streamed) - 1) + [outputs[1].text]
     ids, deltas, text = [], TextDeltas(local.tokenizer), ""
-    for _, _, _, tokens, final in streamed:
+    for _, _, _, tokens, final, logprobs in streamed:
+        assert logprobs is None  # not asked for
         ids += tokens
         text += deltas.delta_of(0, ids, [], final)
     assert ids == outputs[1].token_ids and outputs[1].text and text == outputs[1].text
@@ -574,7 +610,7 @@ def test_the_engine_loop_sends_a_streams_tokens_every_stream_interval(local):
     from zoo.engine_process import EngineLoop
 
     loop = EngineLoop(local, conns=[object()], stream_interval=4)
-    greedy = {"max_new_tokens": 11, "temperature": 0.0, "ignore_eos": True}
+    greedy = {"max_new_tokens": 11, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}
     sampled = {"max_new_tokens": 6, "temperature": 0.9, "seed": 3, "n": 2, "ignore_eos": True}
     loop._handle(("add", 1, [({"prompt": "def main():"}, greedy)], True))
     loop._handle(("add", 2, [({"prompt": "import os"}, sampled)], True))
@@ -593,11 +629,15 @@ def test_the_engine_loop_sends_a_streams_tokens_every_stream_interval(local):
     assert [len(e[3]) for e in greedy_deltas] == [1, 4, 4, 2]
     assert [e[4] for e in greedy_deltas] == [None, None, None, outputs[1].text]
     assert sum((e[3] for e in greedy_deltas), []) == outputs[1].token_ids
+    # each delta carries its own tokens' log-probs, which join to the output's
+    assert [len(e[5]) for e in greedy_deltas] == [1, 4, 4, 2] and [e[5][0]["token_id"] for e in greedy_deltas] == [
+        e[3][0] for e in greedy_deltas]
+    assert sum((e[5] for e in greedy_deltas), []) == outputs[1].logprobs
     expected = local.generate(["def main():"], SamplingParams(**greedy))[0]
     assert outputs[1].token_ids == expected.token_ids
     for sample in outputs[2].samples:
         deltas = [e for i, e in events if i == 2 and e[0] == "delta" and e[2] == sample.index]
-        assert [len(e[3]) for e in deltas] == [1, 4, 1]
+        assert [len(e[3]) for e in deltas] == [1, 4, 1] and all(e[5] is None for e in deltas)
         assert sum((e[3] for e in deltas), []) == sample.token_ids
     assert not loop.held and not loop.requests_of
 

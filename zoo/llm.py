@@ -77,6 +77,7 @@ class TokenEvent:
     output: RequestOutput | None = field(default=None, repr=False)  # set when the request (all samples) ended
     text: str = ""  # the text these tokens add (held back while a character is still incomplete)
     sample: int = 0  # which of the request's n completions
+    logprobs: list[dict] | None = None  # these tokens' entries of the output's ``logprobs``, where asked for
 
 
 def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
@@ -255,5 +256,7 @@ class LLM:
                 done = request.is_finished
                 output = self.output_of(request) if request.group_finished else None
                 delta = deltas.delta(request, self.text_of(request) if done else None)
+                logprobs = (request.output_logprobs[-len(tokens):]
+                            if tokens and self._logprobs(request) is not None else None)
                 yield TokenEvent(index[request.group.request_id], tokens, done, request.finish_reason, output, delta,
-                                 request.sample_index)
+                                 request.sample_index, logprobs)

@@ -122,12 +122,16 @@ class Writer:
         self.written += 1
         self.failed += out.finish_reason == "error"
 
-    def write_event(self, output_id, token_ids: list[int], text: str, sample: int | None) -> None:
+    def write_event(self, output_id, token_ids: list[int], text: str, sample: int | None,
+                    logprobs: list[dict] | None) -> None:
         """``output.stream``: one request's new tokens of one step (the record follows when it finishes);
-        ``sample``: which completion, for a request with sampling n > 1."""
+        ``sample``: which completion, for a request with sampling n > 1; ``logprobs``: the tokens' entries of
+        the record's, where asked for."""
         event = {"id": output_id, "event": "token", "token_ids": token_ids, "text": text}
         if sample is not None:
             event["sample"] = sample
+        if logprobs is not None:
+            event["logprobs"] = logprobs
         self.stream.write(json.dumps(event) + "\n")
         self.stream.flush()
 
@@ -251,7 +255,9 @@ def run(cfg: DictConfig) -> int:
                     if request.group.request_id in pending and tokens and not request.error:
                         final = llm.text_of(request) if request.is_finished else None
                         writer.write_event(request.group.output_id, tokens, deltas.delta(request, final),
-                                           request.sample_index if request.group.samples else None)
+                                           request.sample_index if request.group.samples else None,
+                                           request.output_logprobs[-len(tokens):]
+                                           if request.params.logprobs is not None else None)
             groups = {r.group.request_id: r.group for r in advanced}.values()
             finished = [r for r in groups if r.group_finished and r.request_id in pending]
             for request in finished:

@@ -239,17 +239,18 @@ class Server:
 
     # ------------------------------------------------------------------ responses
 
-    def logprobs_of(self, output, chat: bool):
-        if output.logprobs is None:
+    def logprobs_of(self, entries: list[dict] | None, chat: bool):
+        """zoo's log-prob entries of some tokens (an output's, or a stream chunk's) in OpenAI's shape."""
+        if entries is None:
             return None
         decode = self.tokenizer.decode
         if chat:
             return {"content": [{"token": decode([e["token_id"]]), "logprob": e["logprob"],
                                  "top_logprobs": [{"token": decode([t]), "logprob": v} for t, v in e.get("top", [])]}
-                                for e in output.logprobs]}
-        return {"tokens": [decode([e["token_id"]]) for e in output.logprobs],
-                "token_logprobs": [e["logprob"] for e in output.logprobs],
-                "top_logprobs": [{decode([t]): v for t, v in e.get("top", [])} for e in output.logprobs]}
+                                for e in entries]}
+        return {"tokens": [decode([e["token_id"]]) for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{decode([t]): v for t, v in e.get("top", [])} for e in entries]}
 
     def choices(self, outputs, chat: bool) -> tuple[list, dict]:
         choices, completion = [], 0
@@ -261,10 +262,10 @@ class Server:
                 finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
                 if chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": sample.text},
-                                    "finish_reason": finish, "logprobs": self.logprobs_of(sample, True)})
+                                    "finish_reason": finish, "logprobs": self.logprobs_of(sample.logprobs, True)})
                 else:
                     choices.append({"index": index, "text": sample.text, "finish_reason": finish,
-                                    "logprobs": self.logprobs_of(sample, False)})
+                                    "logprobs": self.logprobs_of(sample.logprobs, False)})
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         return choices, {"prompt_tokens": prompt, "completion_tokens": completion,
                          "total_tokens": prompt + completion}
@@ -407,8 +408,12 @@ def build_app(server: Server):
                                  if chat else '{"index": %d, "text": %s, "finish_reason": null, "logprobs": null}]}')
         delta_template += "\n\n"
 
-        def delta_chunk(choice, text):
-            return delta_template % (choice, json.dumps(text))
+        def delta_chunk(choice, text, logprobs=None):
+            if logprobs is None:
+                return delta_template % (choice, json.dumps(text))
+            body = {"delta": {"content": text}} if chat else {"text": text}
+            return chunk([{"index": choice, **body, "finish_reason": None,
+                           "logprobs": server.logprobs_of(logprobs, chat)}])
 
         outputs = [None] * prompts
         try:
@@ -422,19 +427,23 @@ def build_app(server: Server):
                 events = [await submission.events.get()]
                 while not submission.events.empty():
                     events.append(submission.events.get_nowait())
-                parts, pending = [], {}  # pending: choice -> text not yet written, in order of arrival
+                # pending: choice -> text not yet written, in order of arrival; and its tokens' log-probs
+                parts, pending, pending_logprobs = [], {}, {}
 
                 def write_pending():
-                    parts.extend(delta_chunk(choice, text) for choice, text in pending.items())
+                    parts.extend(delta_chunk(choice, text, pending_logprobs.pop(choice, None))
+                                 for choice, text in pending.items())
                     pending.clear()
 
                 for event in events:
                     if event[0] == "delta":
-                        _, index, sample, tokens, final = event
+                        _, index, sample, tokens, final, logprobs = event
                         choice = index * n + sample
                         ids = token_ids.setdefault(choice, [])
                         ids.extend(tokens)
                         pending[choice] = pending.get(choice, "") + deltas.delta_of(choice, ids, stops, final)
+                        if logprobs is not None:
+                            pending_logprobs.setdefault(choice, []).extend(logprobs)
                         continue
                     write_pending()
                     if event[0] == "finished":
