@@ -28,23 +28,30 @@ from zoo import LLM, SamplingParams  # noqa: E402
 from zoo.engine_process import free_port  # noqa: E402
 
 KEY = "test-key-123"
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The embedded default model with a chat template, and a LoRA adapter for it made with peft."""
+    """The embedded default model with a chat template, its tokenizer adding a BOS to every text as Llama 3's
+    does (the template writes its own), and a LoRA adapter for it made with peft."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer, processors
 
     import zoo
 
     folder = tmp_path_factory.mktemp("served")
     source = Path(zoo.__file__).parent / "default_model"
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(source / name, folder / name)
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    bos = "<|endoftext|>"  # the default model's BOS (tokenizer_config.json)
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                             special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    tokenizer.save(str(folder / "tokenizer.json"))
     config = json.loads((source / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -160,11 +167,16 @@ def test_chat_uses_the_checkpoint_template(served, local, model_dir):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir[0])
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "print hello"}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # the peer's render
-    expected = local.generate([text], SamplingParams(max_new_tokens=10, temperature=0.0))[0].text
+    # the peer's render and tokens: one BOS, the template's (the tokenizer adds none to a rendered chat)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    bos = tokenizer.bos_token_id
+    assert ids[0] == bos != ids[1] and tokenizer("print hello")["input_ids"][0] == bos
+    expected = local.generate([{"prompt_ids": ids}], SamplingParams(max_new_tokens=10, temperature=0.0))[0].text
     client = served.client()
     reply = client.chat.completions.create(model=served.model_name(), messages=messages, max_tokens=10,
                                            temperature=0)
+    assert reply.usage.prompt_tokens == len(ids)
     chunks = list(client.chat.completions.create(model=served.model_name(), messages=messages, max_tokens=10,
                                                  temperature=0, stream=True))
     assert reply.choices[0].message.content == expected

@@ -138,8 +138,10 @@ class Server:
             raise APIError(400, str(exc)) from None
         return values
 
-    def prompt_items(self, prompt, adapter: str | None, images=None) -> list[dict]:
-        """One request dict per prompt: text, token ids, or a list of either."""
+    def prompt_items(self, prompt, adapter: str | None, images=None, rendered_chat: bool = False) -> list[dict]:
+        """One request dict per prompt: text, token ids, or a list of either. ``rendered_chat``: text from the chat
+        template, which writes its own special tokens (a BOS): encoded without the tokenizer adding them again,
+        as transformers' ``apply_chat_template`` and vLLM's chat endpoint do."""
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             prompts = [prompt]
@@ -152,7 +154,7 @@ class Server:
         for p in prompts:
             item = {"prompt": p} if isinstance(p, str) else {"prompt_ids": p}
             try:
-                ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+                ids = self.tokenizer.encode(p, add_special_tokens=not rendered_chat) if isinstance(p, str) else p
             except ZooError as exc:  # a checkpoint without tokenizer.json takes token ids only
                 raise APIError(400, str(exc), param="prompt") from None
             if len(ids) > self.max_prompt:
@@ -352,7 +354,7 @@ def build_app(server: Server):
         values = server.sampling(body)
         if chat:
             text, images = server.chat_prompt(body.get("messages"))
-            items = server.prompt_items(text, adapter, images)
+            items = server.prompt_items(text, adapter, images, rendered_chat=True)
         else:
             if "prompt" not in body:
                 raise APIError(400, "prompt is required", param="prompt")

@@ -15,8 +15,8 @@ class ByteTokenizer:
     bos_token_id = 256
     eos_token_id = 257
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id] + list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.bos_token_id] * add_special_tokens + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -38,8 +38,10 @@ class HFTokenizer:
             if eos is not None:
                 self.eos_token_id = self.tokenizer.token_to_id(eos)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: what the tokenizer's post-processor adds (a BOS), as transformers' tokenizer
+        does by default; False for text that carries its own, a rendered chat template's."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -50,7 +52,7 @@ class NoTokenizer:
 
     eos_token_id = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ZooError("this checkpoint has no tokenizer.json: give prompt_ids instead of prompt text")
 
     def decode(self, ids: list[int]) -> str:
