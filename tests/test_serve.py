@@ -191,6 +191,11 @@ def test_chat_uses_the_checkpoint_template(served, local, model_dir):
 def test_an_adapter_is_a_model(served, local):
     client = served.client()
     assert [m.id for m in client.models.list().data] == [served.model_name(), "sql"]
+    card = client.models.retrieve("sql")  # OpenAI's retrieve: one entry of the list
+    assert card.id == "sql" and card.parent == served.model_name() and card.max_model_len == local.engine.max_model_len
+    assert client.models.retrieve(served.model_name()).parent is None
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nosuch")
     reply = client.completions.create(model="sql", prompt="SELECT", max_tokens=10, temperature=0)
     expected = local.generate([{"prompt": "SELECT", "adapter": "sql"}], SamplingParams(max_new_tokens=10))[0].text
     base = local.generate(["SELECT"], SamplingParams(max_new_tokens=10))[0].text
@@ -261,7 +266,8 @@ def raw(served, path, body=None, key=KEY, method="POST", content=None):
 
 def test_auth(served):
     assert raw(served, "/health", method="GET", key=None).status_code == 200
-    for path, method in (("/v1/models", "GET"), ("/metrics", "GET"), ("/v1/completions", "POST")):
+    for path, method in (("/v1/models", "GET"), ("/v1/models/sql", "GET"), ("/metrics", "GET"),
+                         ("/v1/completions", "POST")):
         for key in (None, "wrong"):
             reply = raw(served, path, {"prompt": "x"}, key=key, method=method)
             assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"

@@ -335,13 +335,23 @@ def build_app(server: Server):
             return JSONResponse({"status": "the engine process has stopped"}, status_code=503)
         return {"status": "ok"}
 
+    def model_card(name: str, created: int) -> dict:
+        # max_model_len as vLLM gives it: clients (editor plugins) size their prompts by it
+        return {"id": name, "object": "model", "created": created, "owned_by": "zoo", "root": server.model_name,
+                "parent": None if name == server.model_name else server.model_name,
+                "max_model_len": server.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.check_auth(request.headers)
         created = int(time.time())
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "zoo",
-                                            "root": server.model_name, "parent": None if i == 0 else server.model_name}
-                                           for i, name in enumerate(server.model_names())]}
+        return {"object": "list", "data": [model_card(name, created) for name in server.model_names()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str):  # OpenAI's "retrieve model"
+        server.check_auth(request.headers)
+        server.adapter_for(name)  # 404 for a name that is not served
+        return model_card(name, int(time.time()))
 
     @app.get("/metrics")
     async def metrics(request: Request):
