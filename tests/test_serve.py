@@ -256,6 +256,46 @@ def test_a_stream_carries_each_chunks_logprobs(served, model_dir):
     assert all(c.choices[0].logprobs is None for c in plain if c.choices)  # not asked for: none
 
 
+def test_echo_gives_the_prompts_logprobs_as_an_evaluation_harness_reads_them(served, model_dir, local):
+    """lm-evaluation-harness scores a continuation with {prompt: token ids, echo, max_tokens: 1, logprobs: 1,
+    temperature: 0} and reads token_logprobs (and top_logprobs, for "is greedy") over the prompt's tokens: they
+    equal transformers' log-softmax of the model at each position before. A text prompt echoes its text; several
+    prompts and n samples each get theirs."""
+    import torch
+    import transformers
+
+    folder, _ = model_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ids = local.tokenizer.encode("def main():\n    return os.path.join(a, b)")
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    body = {"model": served.model_name(), "prompt": [ids], "echo": True, "max_tokens": 1, "logprobs": 1,
+            "temperature": 0, "seed": 1234}
+    reply = raw(served, "/v1/completions", body).json()
+    choice = reply["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
+    expected = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert logprobs["token_logprobs"][1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    for i in range(1, len(ids)):  # the top entry is the position's argmax, as lm-eval's greedy check reads it
+        (top,) = logprobs["top_logprobs"][i].values()
+        assert top == pytest.approx(float(reference[i - 1].max()), abs=1e-4)
+    assert choice["text"].startswith(local.tokenizer.decode(ids)) and reply["usage"]["prompt_tokens"] == len(ids)
+    # max_tokens 0: the prompt scored alone (OpenAI's legacy completions), the same log-probs
+    alone = raw(served, "/v1/completions", {**body, "max_tokens": 0, "logprobs": 2}).json()
+    assert alone["choices"][0]["text"] == local.tokenizer.decode(ids) and alone["usage"]["completion_tokens"] == 0
+    assert len(alone["choices"][0]["logprobs"]["tokens"]) == len(ids)
+    assert alone["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    assert [len(top) for top in alone["choices"][0]["logprobs"]["top_logprobs"][1:]] == [2] * (len(ids) - 1)
+    # a text prompt echoes its text; without logprobs, only the text
+    reply = raw(served, "/v1/completions", {"prompt": ["import os", "class A:"], "echo": True, "max_tokens": 3,
+                                            "temperature": 0.8, "seed": 2, "n": 2}).json()
+    outs = local.generate(["import os", "class A:"], SamplingParams(max_new_tokens=3, temperature=0.8, seed=2, n=2))
+    assert [c["text"] for c in reply["choices"]] == [p + s.text for p, o in zip(["import os", "class A:"], outs)
+                                                     for s in o.samples]
+    assert all(c["logprobs"] is None for c in reply["choices"])
+
+
 def raw(served, path, body=None, key=KEY, method="POST", content=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if method == "GET":
@@ -282,7 +322,11 @@ def test_auth(served):
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "word " * 300}, 400, "this server takes at most 200"),
     ("/v1/completions", {}, 400, "prompt is required"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo=True is not supported"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix='y' is not supported"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo is served without stream"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo is a flag of /v1/completions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400,
+     "echo is a flag of /v1/completions"),
     ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "'nope' does not exist"),
     ("/v1/nothing", {"prompt": "x"}, 404, "no endpoint /v1/nothing"),
     ("/v1/completions", {"prompt": "x" * 30000}, 413, "larger than server.max_body_bytes=20000"),

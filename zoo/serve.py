@@ -59,9 +59,9 @@ SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "temperature": "temperature",
                    "repetition_penalty": "repetition_penalty"}
 # read elsewhere, or without effect on the tokens (user, store, metadata, service_tier)
 OTHER_FIELDS = {"model", "stream", "user", "logprobs", "top_logprobs", "logit_bias", "stream_options", "prompt",
-                "messages", "max_completion_tokens", "service_tier", "store", "metadata"}
+                "messages", "max_completion_tokens", "service_tier", "store", "metadata", "echo"}
 # OpenAI fields zoo does not serve: refused when set to anything but their no-op value
-UNSERVED_FIELDS = {"echo": (False,), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+UNSERVED_FIELDS = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
                    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
                    "parallel_tool_calls": (None, False, True)}
 
@@ -125,6 +125,15 @@ class Server:
                 values["logprobs"] = int(body.get("top_logprobs") or 0)
         elif logprobs is not None:
             values["logprobs"] = logprobs
+        if body.get("echo") not in (None, False):
+            if body["echo"] is not True or "messages" in body:
+                raise APIError(400, "echo is a flag of /v1/completions", param="echo")
+            if body.get("stream"):
+                raise APIError(400, "echo is served without stream: true", param="echo")
+            if logprobs is not None:  # the prompt's tokens get theirs too, as evaluation harnesses read them
+                values["prompt_logprobs"] = logprobs
+            if body.get("max_tokens") == 0:  # the prompt scored alone (OpenAI's legacy completions): the one token
+                values["max_new_tokens"] = 1  # the engine generates is left out of the reply (prompt_only)
         if body.get("logit_bias"):
             try:
                 values["logit_bias"] = {int(k): float(v) for k, v in dict(body["logit_bias"]).items()}
@@ -254,17 +263,36 @@ class Server:
                 "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{decode([t]): v for t, v in e.get("top", [])} for e in entries]}
 
-    def choices(self, outputs, chat: bool) -> tuple[list, dict]:
+    def echoed_logprobs(self, output, sample, prompt_only: bool) -> dict | None:
+        """``echo`` with ``logprobs``: the prompt's tokens (the first without a log-prob, as OpenAI's), then the
+        completion's unless ``prompt_only``, in the completions shape."""
+        if sample.logprobs is None:
+            return None
+        decode, prompt = self.tokenizer.decode, output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        generated = self.logprobs_of([] if prompt_only else sample.logprobs, False)
+        return {"tokens": [decode([t]) for t in output.prompt_token_ids] + generated["tokens"],
+                "token_logprobs": [e and e["logprob"] for e in prompt] + generated["token_logprobs"],
+                "top_logprobs": [e and {decode([t]): v for t, v in e.get("top", [])} for e in prompt]
+                + generated["top_logprobs"]}
+
+    def choices(self, outputs, chat: bool, echoes: list[str] | None = None,
+                prompt_only: bool = False) -> tuple[list, dict]:
+        """The reply's choices and usage; ``echoes``: each prompt's text, to stand before its completions (echo);
+        ``prompt_only``: echo with max_tokens 0, the prompts alone."""
         choices, completion = [], 0
         for position, output in enumerate(outputs):
             samples = output.samples or [output]
             for sample in samples:
                 index = position * len(samples) + getattr(sample, "index", 0)
-                completion += len(sample.token_ids)
+                completion += 0 if prompt_only else len(sample.token_ids)
                 finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "stop"
                 if chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": sample.text},
                                     "finish_reason": finish, "logprobs": self.logprobs_of(sample.logprobs, True)})
+                elif echoes is not None:
+                    choices.append({"index": index, "text": echoes[position] + ("" if prompt_only else sample.text),
+                                    "finish_reason": "length" if prompt_only else finish,
+                                    "logprobs": self.echoed_logprobs(output, sample, prompt_only)})
                 else:
                     choices.append({"index": index, "text": sample.text, "finish_reason": finish,
                                     "logprobs": self.logprobs_of(sample.logprobs, False)})
@@ -400,7 +428,9 @@ def build_app(server: Server):
         failed = next((o for o in outputs if o.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(400, failed.error)
-        choices, usage = server.choices(outputs, chat)
+        echoes = ([item["prompt"] if "prompt" in item else server.tokenizer.decode(item["prompt_ids"])
+                   for item in items] if body.get("echo") else None)
+        choices, usage = server.choices(outputs, chat, echoes, prompt_only=body.get("max_tokens") == 0)
         return {"id": ident, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
 
     async def stream(request, submission, chat, ident, created, model, prompts, n, stops, include_usage):
