@@ -296,6 +296,34 @@ def test_echo_gives_the_prompts_logprobs_as_an_evaluation_harness_reads_them(ser
     assert all(c["logprobs"] is None for c in reply["choices"])
 
 
+def test_the_tokenizer_endpoints_equal_transformers_tokenizer(served, model_dir):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-evaluation-harness's remote tokenizer calls them:
+    text with and without the special tokens, a chat as the chat endpoint encodes it, and back."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir[0])
+    info = raw(served, "/tokenizer_info", method="GET").json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == TEMPLATE
+    text = "def main():\n    return 1"
+    for special in (True, False):
+        reply = raw(served, "/tokenize", {"prompt": text, "add_special_tokens": special}).json()
+        assert reply["tokens"] == tokenizer(text, add_special_tokens=special)["input_ids"]
+        assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] > 0
+    assert raw(served, "/tokenize", {"prompt": text}).json()["tokens"] == tokenizer(text)["input_ids"]
+    messages = [{"role": "user", "content": "print hello"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    assert raw(served, "/tokenize", {"messages": messages}).json()["tokens"] == ids
+    reply = raw(served, "/detokenize", {"tokens": ids}).json()
+    assert reply["prompt"] == tokenizer.decode(ids, skip_special_tokens=True)
+    for path, body, fragment in (("/detokenize", {"tokens": [1, 99999]}, "token ids in [0,"),
+                                 ("/detokenize", {"tokens": "1 2"}, "token ids in [0,"),
+                                 ("/tokenize", {"prompt": 5}, "prompt (a string) or messages"),
+                                 ("/tokenize", {"prompt": "x", "model": "nope"}, "does not exist")):
+        reply = raw(served, path, body)
+        assert reply.status_code in (400, 404) and fragment in reply.json()["error"]["message"]
+
+
 def raw(served, path, body=None, key=KEY, method="POST", content=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if method == "GET":
@@ -307,7 +335,7 @@ def raw(served, path, body=None, key=KEY, method="POST", content=None):
 def test_auth(served):
     assert raw(served, "/health", method="GET", key=None).status_code == 200
     for path, method in (("/v1/models", "GET"), ("/v1/models/sql", "GET"), ("/metrics", "GET"),
-                         ("/v1/completions", "POST")):
+                         ("/v1/completions", "POST"), ("/tokenize", "POST"), ("/tokenizer_info", "GET")):
         for key in (None, "wrong"):
             reply = raw(served, path, {"prompt": "x"}, key=key, method=method)
             assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"

@@ -177,7 +177,7 @@ class Server:
             items.append(item)
         return items
 
-    def chat_prompt(self, messages) -> tuple[str, list]:
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> tuple[str, list]:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
@@ -204,7 +204,7 @@ class Server:
                 raise APIError(400, "message content must be a string or a list of parts", param="messages")
             plain.append({**message, "content": content or ""})
         try:
-            text = self.template.render(messages=plain, add_generation_prompt=True,
+            text = self.template.render(messages=plain, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
         except Exception as exc:  # noqa: BLE001 - the checkpoint's template raised: the request's fault or its
             raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
@@ -353,6 +353,11 @@ def build_app(server: Server):
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    async def read_request(request: Request) -> dict:
+        """A generation request's body, unless the engine's queue is full."""
+        body = await read_body(request)
         if server.engine.state["waiting"] >= waiting_cap:
             raise APIError(429, f"{waiting_cap} requests are already waiting; retry later")
         return body
@@ -381,13 +386,51 @@ def build_app(server: Server):
         server.adapter_for(name)  # 404 for a name that is not served
         return model_card(name, int(time.time()))
 
+    # vLLM's tokenizer endpoints, which clients such as lm-evaluation-harness's remote tokenizer call, so that
+    # they need no copy of the checkpoint's tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request)
+        server.adapter_for(body.get("model"))
+        if "messages" in body:  # as the chat endpoint renders and encodes them
+            text, _ = server.chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)))
+            special = bool(body.get("add_special_tokens", False))
+        elif isinstance(body.get("prompt"), str):
+            text, special = body["prompt"], bool(body.get("add_special_tokens", True))
+        else:
+            raise APIError(400, "tokenize needs prompt (a string) or messages", param="prompt")
+        try:
+            tokens = server.tokenizer.encode(text, add_special_tokens=special)
+        except ZooError as exc:  # a checkpoint without tokenizer.json
+            raise APIError(400, str(exc), param="prompt") from None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request)
+        server.adapter_for(body.get("model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < server.vocab_size for t in tokens):
+            raise APIError(400, f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")
+        return {"prompt": server.tokenizer.decode(tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        server.check_auth(request.headers)
+        config = server.tokenizer_config
+        info = {name: server.special(name) or None for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return {**info, "chat_template": config.get("chat_template"), "model_max_length": server.max_model_len,
+                "tokenizer_class": config.get("tokenizer_class")}
+
     @app.get("/metrics")
     async def metrics(request: Request):
         server.check_auth(request.headers)
         return PlainTextResponse(prometheus_text(server), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
-        body = await read_body(request)
+        body = await read_request(request)
         adapter = server.adapter_for(body.get("model"))
         values = server.sampling(body)
         if chat:
