@@ -152,11 +152,10 @@ class EngineLoop:
                 if tokens:
                     # tokens, and the text only once it is final (cut at a stop string): the HTTP process decodes
                     # the rest, so that detokenizing (15% of this process at concurrency 64 on the H200,
-                    # h200_round4/engine_spy_call6.txt) runs beside the steps. Tokens go out in order, so those
-                    # sent are the output's last: their log-probs, where asked for, the output's last entries.
-                    logprobs = request.output_logprobs[-len(tokens):] if request.params.logprobs is not None else None
+                    # h200_round4/engine_spy_call6.txt) runs beside the steps
                     self.outbox.append((ident, ("delta", index, request.sample_index, tokens,
-                                                request.output_text if done else None, logprobs)))
+                                                request.output_text if done else None,
+                                                request.last_logprobs(len(tokens)))))
             if done and request.group_finished:  # after every sample's last delta of this step (n > 1 together)
                 finished[group.request_id] = group
         for group in finished.values():

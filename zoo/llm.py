@@ -256,7 +256,5 @@ class LLM:
                 done = request.is_finished
                 output = self.output_of(request) if request.group_finished else None
                 delta = deltas.delta(request, self.text_of(request) if done else None)
-                logprobs = (request.output_logprobs[-len(tokens):]
-                            if tokens and self._logprobs(request) is not None else None)
                 yield TokenEvent(index[request.group.request_id], tokens, done, request.finish_reason, output, delta,
-                                 request.sample_index, logprobs)
+                                 request.sample_index, request.last_logprobs(len(tokens)))

@@ -96,6 +96,13 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def last_logprobs(self, count: int) -> list[dict] | None:
+        """The log-prob entries of the last ``count`` output tokens, where the request asks for log-probs: those a
+        stream sends, which go out in order, so that its pieces join to the output's."""
+        if self.params.logprobs is None or self.error or not count:
+            return None
+        return self.output_logprobs[-count:]
+
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED

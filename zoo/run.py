@@ -256,8 +256,7 @@ def run(cfg: DictConfig) -> int:
                         final = llm.text_of(request) if request.is_finished else None
                         writer.write_event(request.group.output_id, tokens, deltas.delta(request, final),
                                            request.sample_index if request.group.samples else None,
-                                           request.output_logprobs[-len(tokens):]
-                                           if request.params.logprobs is not None else None)
+                                           request.last_logprobs(len(tokens)))
             groups = {r.group.request_id: r.group for r in advanced}.values()
             finished = [r for r in groups if r.group_finished and r.request_id in pending]
             for request in finished:
