@@ -29,7 +29,8 @@ from zoo.engine_process import free_port  # noqa: E402
 
 KEY = "test-key-123"
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<|nothink|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +323,47 @@ def test_the_tokenizer_endpoints_equal_transformers_tokenizer(served, model_dir)
                                  ("/tokenize", {"prompt": "x", "model": "nope"}, "does not exist")):
         reply = raw(served, path, body)
         assert reply.status_code in (400, 404) and fragment in reply.json()["error"]["message"]
+
+
+def test_vllms_extra_sampling_fields_as_its_benchmark_client_sends_them(served, local, model_dir):
+    """vLLM's benchmark_serving sends {model, prompt, temperature: 0, best_of: 1, max_tokens, stream, ignore_eos};
+    stop_token_ids and min_p are its other sampling extras; chat_template_kwargs reach the template (a model's
+    enable_thinking), as transformers' apply_chat_template passes them."""
+    import transformers
+
+    name = served.model_name()
+    prompt = "def main():"
+    eos = local.engine.description.eos_token_ids[0]
+    free = local.generate([prompt], SamplingParams(max_new_tokens=40))[0]
+    reply = raw(served, "/v1/completions", {"model": name, "prompt": prompt, "temperature": 0.0, "best_of": 1,
+                                            "max_tokens": 40, "stream": False, "ignore_eos": True}).json()
+    expected = local.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    assert reply["choices"][0]["text"] == expected.text and reply["usage"]["completion_tokens"] == 40
+    stop_at = free.token_ids[5]
+    reply = raw(served, "/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 40,
+                                            "stop_token_ids": [stop_at], "ignore_eos": True}).json()
+    expected = local.generate([prompt], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_at], ignore_eos=True))
+    assert reply["choices"][0]["text"] == expected[0].text and expected[0].finish_reason == "stop"
+    assert reply["choices"][0]["finish_reason"] == "stop" and eos not in expected[0].token_ids
+    settings = dict(temperature=0.9, seed=3, min_p=0.2)
+    reply = raw(served, "/v1/completions", {"prompt": prompt, "max_tokens": 12, **settings}).json()
+    expected = local.generate([prompt], SamplingParams(max_new_tokens=12, **settings))[0]
+    assert reply["choices"][0]["text"] == expected.text
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir[0])
+    messages = [{"role": "user", "content": "hi"}]
+    lengths = []
+    for kwargs in ({}, {"enable_thinking": False}):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        got = raw(served, "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs}).json()["tokens"]
+        assert got == ids
+        lengths.append(len(ids))
+        reply = raw(served, "/v1/chat/completions", {"messages": messages, "max_tokens": 5, "temperature": 0,
+                                                     "chat_template_kwargs": kwargs}).json()
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert lengths[1] > lengths[0]  # the variable reached the template
+    reply = raw(served, "/v1/chat/completions", {"messages": messages, "chat_template_kwargs": [1]})
+    assert reply.status_code == 400 and "chat_template_kwargs must be an object" in reply.json()["error"]["message"]
 
 
 def raw(served, path, body=None, key=KEY, method="POST", content=None):

@@ -56,10 +56,13 @@ class APIError(Exception):
 SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "n": "n",
                    "seed": "seed", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                    "stop": "stop", "min_tokens": "min_new_tokens", "top_k": "top_k",
-                   "repetition_penalty": "repetition_penalty"}
+                   "repetition_penalty": "repetition_penalty",
+                   # vLLM's extra sampling fields, which its benchmark client sends (ignore_eos)
+                   "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "min_p": "min_p"}
 # read elsewhere, or without effect on the tokens (user, store, metadata, service_tier)
 OTHER_FIELDS = {"model", "stream", "user", "logprobs", "top_logprobs", "logit_bias", "stream_options", "prompt",
-                "messages", "max_completion_tokens", "service_tier", "store", "metadata", "echo"}
+                "messages", "max_completion_tokens", "service_tier", "store", "metadata", "echo",
+                "chat_template_kwargs"}
 # OpenAI fields zoo does not serve: refused when set to anything but their no-op value
 UNSERVED_FIELDS = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
                    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
@@ -177,7 +180,13 @@ class Server:
             items.append(item)
         return items
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> tuple[str, list]:
+    def chat_prompt(self, messages, add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> tuple[str, list]:
+        """The rendered chat and its images. ``template_kwargs``: vLLM's ``chat_template_kwargs``, more variables
+        for the template (a model's ``enable_thinking``)."""
+        template_kwargs = template_kwargs or {}
+        if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+            raise APIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
@@ -204,8 +213,10 @@ class Server:
                 raise APIError(400, "message content must be a string or a list of parts", param="messages")
             plain.append({**message, "content": content or ""})
         try:
-            text = self.template.render(messages=plain, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
+            text = self.template.render(**{**template_kwargs, "messages": plain,
+                                           "add_generation_prompt": add_generation_prompt,
+                                           "bos_token": self.special("bos_token"),
+                                           "eos_token": self.special("eos_token")})
         except Exception as exc:  # noqa: BLE001 - the checkpoint's template raised: the request's fault or its
             raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
         return text, images
@@ -394,7 +405,8 @@ def build_app(server: Server):
         body = await read_body(request)
         server.adapter_for(body.get("model"))
         if "messages" in body:  # as the chat endpoint renders and encodes them
-            text, _ = server.chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)))
+            text, _ = server.chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)),
+                                         body.get("chat_template_kwargs"))
             special = bool(body.get("add_special_tokens", False))
         elif isinstance(body.get("prompt"), str):
             text, special = body["prompt"], bool(body.get("add_special_tokens", True))
@@ -434,7 +446,8 @@ def build_app(server: Server):
         adapter = server.adapter_for(body.get("model"))
         values = server.sampling(body)
         if chat:
-            text, images = server.chat_prompt(body.get("messages"))
+            text, images = server.chat_prompt(body.get("messages"),
+                                              template_kwargs=body.get("chat_template_kwargs"))
             items = server.prompt_items(text, adapter, images, rendered_chat=True)
         else:
             if "prompt" not in body:
