@@ -366,6 +366,31 @@ def test_vllms_extra_sampling_fields_as_its_benchmark_client_sends_them(served, 
     assert reply.status_code == 400 and "chat_template_kwargs must be an object" in reply.json()["error"]["message"]
 
 
+def test_a_chat_can_continue_the_last_message_as_transformers_renders_it(served, local, model_dir):
+    """vLLM's continue_final_message (transformers' apply_chat_template argument of the same name): the prompt
+    ends inside the last message, which the model goes on with; add_generation_prompt false renders no
+    assistant turn. Both true is a 400."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir[0])
+    messages = [{"role": "user", "content": "write a function"}, {"role": "assistant", "content": "def main("}]
+    for flags in (dict(continue_final_message=True), dict(add_generation_prompt=False)):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, **{"add_generation_prompt": False, **flags})
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        assert raw(served, "/tokenize", {"messages": messages, **flags}).json()["tokens"] == ids
+        reply = raw(served, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                     **flags}).json()
+        expected = local.generate([{"prompt_ids": ids}], SamplingParams(max_new_tokens=8))[0]
+        assert reply["choices"][0]["message"]["content"] == expected.text
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+    continued = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert continued.endswith("def main(")  # the prompt ends inside the assistant's message
+    for body, fragment in (({"continue_final_message": True, "add_generation_prompt": True}, "must be false"),
+                           ({"continue_final_message": "yes"}, "continue_final_message must be true or false")):
+        reply = raw(served, "/v1/chat/completions", {"messages": messages, **body})
+        assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
+
+
 def raw(served, path, body=None, key=KEY, method="POST", content=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if method == "GET":

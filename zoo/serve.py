@@ -62,7 +62,7 @@ SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "temperature": "temperature",
 # read elsewhere, or without effect on the tokens (user, store, metadata, service_tier)
 OTHER_FIELDS = {"model", "stream", "user", "logprobs", "top_logprobs", "logit_bias", "stream_options", "prompt",
                 "messages", "max_completion_tokens", "service_tier", "store", "metadata", "echo",
-                "chat_template_kwargs"}
+                "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 # OpenAI fields zoo does not serve: refused when set to anything but their no-op value
 UNSERVED_FIELDS = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
                    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
@@ -180,13 +180,22 @@ class Server:
             items.append(item)
         return items
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None) -> tuple[str, list]:
-        """The rendered chat and its images. ``template_kwargs``: vLLM's ``chat_template_kwargs``, more variables
-        for the template (a model's ``enable_thinking``)."""
-        template_kwargs = template_kwargs or {}
+    def chat_prompt(self, body: dict) -> tuple[str, list]:
+        """A chat request's ``messages`` rendered, and their images. vLLM's extras: ``chat_template_kwargs``, more
+        variables for the template (a model's ``enable_thinking``); ``add_generation_prompt`` (default true); and
+        ``continue_final_message``, which ends the prompt inside the last message, for the model to go on with
+        it (an assistant's answer begun by the client)."""
+        messages, template_kwargs = body.get("messages"), body.get("chat_template_kwargs") or {}
+        generation_prompt = body.get("add_generation_prompt", True)
+        continued = body.get("continue_final_message", False)
         if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
             raise APIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        for name, value in (("add_generation_prompt", generation_prompt), ("continue_final_message", continued)):
+            if not isinstance(value, bool):
+                raise APIError(400, f"{name} must be true or false", param=name)
+        if generation_prompt and continued and "add_generation_prompt" in body:
+            raise APIError(400, "continue_final_message goes on with the last message: add_generation_prompt must "
+                                "be false", param="continue_final_message")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
@@ -212,13 +221,22 @@ class Server:
             elif content is not None and not isinstance(content, str):
                 raise APIError(400, "message content must be a string or a list of parts", param="messages")
             plain.append({**message, "content": content or ""})
+        marker = f"<zoo-continue-{secrets.token_hex(8)}>" if continued else ""
+        if continued:  # rendered with a marker after the last message's text, then cut there
+            plain[-1]["content"] += marker
         try:
             text = self.template.render(**{**template_kwargs, "messages": plain,
-                                           "add_generation_prompt": add_generation_prompt,
+                                           "add_generation_prompt": generation_prompt and not continued,
                                            "bos_token": self.special("bos_token"),
                                            "eos_token": self.special("eos_token")})
         except Exception as exc:  # noqa: BLE001 - the checkpoint's template raised: the request's fault or its
             raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
+        if continued:
+            if text.count(marker) != 1:
+                raise APIError(400, "this chat template does not keep the last message's text whole, so "
+                                    "continue_final_message cannot end the prompt inside it",
+                               param="continue_final_message")
+            text = text[:text.index(marker)]
         return text, images
 
     def special(self, name: str) -> str:
@@ -405,8 +423,7 @@ def build_app(server: Server):
         body = await read_body(request)
         server.adapter_for(body.get("model"))
         if "messages" in body:  # as the chat endpoint renders and encodes them
-            text, _ = server.chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)),
-                                         body.get("chat_template_kwargs"))
+            text, _ = server.chat_prompt(body)
             special = bool(body.get("add_special_tokens", False))
         elif isinstance(body.get("prompt"), str):
             text, special = body["prompt"], bool(body.get("add_special_tokens", True))
@@ -446,8 +463,7 @@ def build_app(server: Server):
         adapter = server.adapter_for(body.get("model"))
         values = server.sampling(body)
         if chat:
-            text, images = server.chat_prompt(body.get("messages"),
-                                              template_kwargs=body.get("chat_template_kwargs"))
+            text, images = server.chat_prompt(body)
             items = server.prompt_items(text, adapter, images, rendered_chat=True)
         else:
             if "prompt" not in body:
