@@ -995,6 +995,28 @@ def test_several_http_processes_share_the_socket_and_the_engine(model_dir, local
         server.stop()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the listening sockets in /proc")
+def test_port_0_is_the_one_port_the_system_chose_for_every_http_process(model_dir, tmp_path):
+    folder, _ = model_dir
+    proc = subprocess.Popen([sys.executable, "-m", "zoo.serve", f"model.path={folder}", "server.port=0",
+                             "server.http_processes=2"], stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        line = ""
+        while "zoo serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server stopped before serving"
+        port = int(line.split("http://127.0.0.1:")[1].split()[0])
+        assert port > 0 and httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        with open("/proc/net/tcp") as f:  # listening (state 0A) on that port: one socket per HTTP process
+            listening = [row for row in f.read().splitlines()[1:]
+                         if row.split()[3] == "0A" and int(row.split()[1].split(":")[1], 16) == port]
+        assert len(listening) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the processes through /proc")
 def test_an_http_process_that_dies_stops_the_server_with_one_line(model_dir, tmp_path):
     """The second HTTP process killed outright: the server says which one stopped, stops the others and the

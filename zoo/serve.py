@@ -661,6 +661,7 @@ def serve(cfg: DictConfig) -> int:
             pipe.close()
         engine.stop()
         return EXIT_BAD_SETTING
+    cfg.server.port = listener.getsockname()[1]  # port 0: the one the system chose, for the others and the log
     others = []
     if other_pipes:
         import multiprocessing
