@@ -3,7 +3,9 @@
 A request may bring ``images``: each a PNG/JPEG path (resized to multiples of
 patch size times merge size, rescaled, normalised and cut into patches here) or
 ``{"pixel_values": FILE.safetensors, "image_grid_thw": [t, h, w]}`` of patches
-already processed. The prompt carries one image-pad token per merged patch.
+already processed. The prompt carries one image-pad token per merged patch, or
+one per image, which is widened to that as Qwen2-VL's processor does (what its
+chat template writes).
 Images are checked when the request arrives, encoded once when it is admitted,
 and their features replace the image-pad embeddings in whichever prefill
 chunks hold those tokens. Positions come from the ``mrope`` plugin.
@@ -27,6 +29,7 @@ from zoo_plugins.mrope import IMAGE_GRIDS, MultimodalRotary
 zoo_scope = Scope(requires=("mrope",))  # its positions come from mrope
 ARCHITECTURE = "Qwen2VLForConditionalGeneration"
 STATE = "qwen2_vl"
+PARSED = "qwen2_vl_images"  # the request's images, read in its prompt transform, until its validation
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the image processor's normalisation
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280
@@ -251,12 +254,14 @@ def zoo_request_fields():
 
 
 @hookimpl
-def zoo_request_validate(request, description):
+def zoo_prompt_transform(request, description):
+    """Read the request's images; where its prompt has one pad per image (as Qwen2-VL's chat template writes
+    them), widen each to its image's merged patches, as Qwen2-VL's processor does."""
     images = request.extras.get("images")
     if images is None:
-        return None
+        return
     if not isinstance(images, list):
-        return "images must be a list of file paths or processed-image objects"
+        raise RequestError("images must be a list of file paths or processed-image objects")
     vision, merge = description.extra["vision"], description.extra["spatial_merge_size"]
     parsed = []
     base = request.source_dir or Path(".")  # paths in an input file are relative to its folder
@@ -271,7 +276,21 @@ def zoo_request_validate(request, description):
             else:
                 raise RequestError("each image is a file path or a processed-image object")
         except RequestError as exc:
-            return f"image {i}: {exc}"
+            raise RequestError(f"image {i}: {exc}") from None
+    request.plugin_state[PARSED] = parsed
+    pad, prompt = description.extra["image_token_id"], request.prompt_token_ids
+    sizes = [t * h * w // merge ** 2 for _, (t, h, w) in parsed]
+    if prompt.count(pad) == len(parsed) != sum(sizes):
+        widths = iter(sizes)
+        request.prompt_token_ids = [t for token in prompt for t in ([pad] * next(widths) if token == pad else [token])]
+
+
+@hookimpl
+def zoo_request_validate(request, description):
+    parsed = request.plugin_state.pop(PARSED, None)
+    if parsed is None:
+        return None
+    merge = description.extra["spatial_merge_size"]
     pads = request.prompt_token_ids.count(description.extra["image_token_id"])
     needed = sum(t * h * w // merge ** 2 for _, (t, h, w) in parsed)
     if pads != needed:
@@ -333,3 +352,4 @@ def zoo_embed_modify(hidden, context):
 @hookimpl
 def zoo_request_finished(request):
     request.plugin_state.pop(STATE, None)
+    request.plugin_state.pop(PARSED, None)  # refused between its prompt transform and its validation

@@ -172,6 +172,33 @@ def test_image_file_request_matches_transformers(qwen2_vl, tmp_path):
     assert out.token_ids == hf_greedy(model, prompt, processed["pixel_values"], grid, 5)[0]
 
 
+def test_one_pad_per_image_is_widened_as_the_processor_does(qwen2_vl, tmp_path):
+    """A prompt with one image-pad token per image (what Qwen2-VL's chat template writes) gets each widened to its
+    image's merged patches, as transformers' Qwen2VLProcessor does: the same tokens as the widened prompt, and as
+    transformers; the output's prompt is the one the user sent."""
+    folder, model = qwen2_vl
+    grids = [(1, 4, 6), (1, 2, 2)]
+    images = [make_image(tmp_path, f"img{i}", grid, seed=i) for i, grid in enumerate(grids)]
+    short = [5, START, IMAGE, END, 6, START, IMAGE, END, 7]
+    widened = image_prompt([5], grids[0], []) + image_prompt([6], grids[1], [7])
+    llm = LLM(str(folder), model="qwen2_vl")
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    outs = llm.generate([{"prompt_ids": short, "images": [i for i, _ in images]},
+                         {"prompt_ids": widened, "images": [i for i, _ in images]}], params)
+    assert outs[0].error is None and outs[0].token_ids == outs[1].token_ids
+    assert outs[0].prompt_token_ids == short
+    pixels = torch.cat([p for _, p in images])
+    ids = torch.tensor([widened])
+    with torch.no_grad():
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                                   image_grid_thw=torch.tensor(grids), mm_token_type_ids=(ids == IMAGE).int(),
+                                   max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert outs[0].token_ids == reference[0, len(widened):].tolist()
+    # two pads for two images, but one image given: left as it is, and refused with the count
+    bad = llm.generate([{"prompt_ids": short, "images": [images[0][0]]}], params)[0]
+    assert bad.finish_reason == "error" and "the prompt has 2 image-pad tokens" in bad.error
+
+
 def test_bad_images_fail_alone(qwen2_vl, tmp_path):
     folder, _ = qwen2_vl
     good, _ = make_image(tmp_path, "good", (1, 4, 6), seed=1)

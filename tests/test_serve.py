@@ -391,6 +391,75 @@ def test_a_chat_can_continue_the_last_message_as_transformers_renders_it(served,
         assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
 
 
+QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {% if m['content'] is string %}"
+                 "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+                 " <|vision_start|> <|image_pad|> <|vision_end|> {% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+                 "{% endif %} <|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def test_an_image_in_a_chat_is_served_as_transformers_processes_it(qwen2_vl, tmp_path):
+    """A Qwen2-VL checkpoint with a tokenizer and a chat template that writes one image pad per image, as
+    Qwen2-VL's does: an image sent as a data URL in a chat message gets transformers' greedy tokens for the
+    rendered chat with its pad widened by Qwen2VLProcessor's rule and the image processed by its image
+    processor."""
+    import base64
+    import io
+
+    import torch
+    import transformers
+    from PIL import Image
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from test_qwen2_vl import IMAGE, image_prompt
+
+    source, model = qwen2_vl
+    folder = tmp_path / "qwen"
+    shutil.copytree(source, folder)
+    specials = {"<|image_pad|>": IMAGE, "<|video_pad|>": 291, "<|vision_start|>": 292, "<|vision_end|>": 293,
+                "<|im_start|>": 294, "<|im_end|>": 295, "<unk>": 296}
+    words = {f"w{i}": i for i in range(290)}
+    tokenizer = Tokenizer(models.WordLevel({**words, **specials}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN_TEMPLATE,
+                                                             "tokenizer_class": "PreTrainedTokenizerFast"}))
+    array = torch.randint(0, 256, (56, 84, 3), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    png = io.BytesIO()
+    Image.fromarray(array.numpy()).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "w7"}]}]
+    # the peer: transformers renders the chat, its image processor reads the image, the pad is widened
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    hf_messages = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "image"},
+                                                {"type": "text", "text": "w7"}]}]
+    short = hf_tokenizer.apply_chat_template(hf_messages, chat_template=QWEN_TEMPLATE, add_generation_prompt=True,
+                                             tokenize=True)
+    short = short if isinstance(short, list) else short["input_ids"]
+    assert short.count(IMAGE) == 1
+    processed = transformers.Qwen2VLImageProcessorPil()(images=Image.open(io.BytesIO(png.getvalue())),
+                                                        return_tensors="pt")
+    grid = tuple(processed["image_grid_thw"][0].tolist())
+    at = short.index(IMAGE)
+    widened = image_prompt(short[:at - 1], grid, short[at + 2:])
+    ids = torch.tensor([widened])
+    with torch.no_grad():
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                   pixel_values=processed["pixel_values"], image_grid_thw=torch.tensor([grid]),
+                                   mm_token_type_ids=(ids == IMAGE).int(), max_new_tokens=6, do_sample=False,
+                                   pad_token_id=0)[0, len(widened):].tolist()
+    server = Served([f"model.path={folder}", "model=qwen2_vl"], cwd=tmp_path)
+    try:
+        reply = raw(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                     "ignore_eos": True}, key=None).json()
+        assert reply["choices"][0]["message"]["content"] == hf_tokenizer.decode(reference, skip_special_tokens=True)
+        assert reply["usage"]["completion_tokens"] == 6
+    finally:
+        server.stop()
+
+
 def raw(served, path, body=None, key=KEY, method="POST", content=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if method == "GET":

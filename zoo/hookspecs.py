@@ -182,14 +182,16 @@ def zoo_request_fields() -> list[str]:
 
 
 @hookspec
-def zoo_prompt_transform(request: "Request") -> None:
+def zoo_prompt_transform(request: "Request", description: "ModelDescription") -> None:
     """Rewrite a request's prompt before it is checked.
 
     Runs once per request, after tokenization and before validation: change
     ``request.prompt_token_ids`` in place (prompt tuning prepends its virtual
-    tokens). The rewritten prompt is what counts against ``max_model_len`` and
-    the KV cache; ``request.input_token_ids`` keeps what the user sent, for
-    the output. Raise ``zoo.RequestError`` to reject the request.
+    tokens; Qwen2-VL gives each image as many pad tokens as it has merged
+    patches, as its processor does). The rewritten prompt is what counts
+    against ``max_model_len`` and the KV cache; ``request.input_token_ids``
+    keeps what the user sent, for the output. Raise ``zoo.RequestError`` to
+    reject the request.
     """
 
 

@@ -78,7 +78,7 @@ class RequestIntake:
             request.input_token_ids = self._tokens(prompt, prompt_token_ids)
             request.prompt_token_ids = list(request.input_token_ids)
             self.engine.adapters.check(request)
-            self.hooks.zoo_prompt_transform(request=request)
+            self.hooks.zoo_prompt_transform(request=request, description=self.engine.description)
             self._check(request)
             self._admit(request)
         except ZooError as exc:

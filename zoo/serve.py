@@ -206,23 +206,29 @@ class Server:
         for message in messages:
             content = message.get("content")
             if isinstance(content, list):  # parts: text and images
-                texts = []
+                parts = []
                 for part in content:
                     if not isinstance(part, dict):
                         raise APIError(400, "a content part must be an object", param="messages")
                     if part.get("type") == "text":
-                        texts.append(str(part.get("text", "")))
+                        parts.append({"type": "text", "text": str(part.get("text", ""))})
                     elif part.get("type") == "image_url":
                         images.append(self.image(part.get("image_url")))
+                        parts.append({"type": "image"})
                     else:
                         raise APIError(400, f"content part type {part.get('type')!r} is not supported",
                                        param="messages")
-                content = "".join(texts)
+                # with images, the parts as transformers hands them to a template (which places each image's
+                # tokens); text alone, one string, which every template takes
+                content = parts if any(p["type"] == "image" for p in parts) else "".join(p["text"] for p in parts)
             elif content is not None and not isinstance(content, str):
                 raise APIError(400, "message content must be a string or a list of parts", param="messages")
             plain.append({**message, "content": content or ""})
         marker = f"<zoo-continue-{secrets.token_hex(8)}>" if continued else ""
         if continued:  # rendered with a marker after the last message's text, then cut there
+            if not isinstance(plain[-1]["content"], str):
+                raise APIError(400, "continue_final_message takes a last message of text",
+                               param="continue_final_message")
             plain[-1]["content"] += marker
         try:
             text = self.template.render(**{**template_kwargs, "messages": plain,
