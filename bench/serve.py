@@ -352,7 +352,11 @@ def measured_level(args, proc, base_url, model, prompts, concurrency) -> dict:
     print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
           f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms, "
           f"TPOT mean {r['tpot_mean_ms']:.2f} ms; cores busy: "
-          + ", ".join(f"{name} {busy:.2f}" for name, busy in r["cpu_cores_busy"].items()), flush=True)
+          + ", ".join(f"{name} {busy:.2f}" for name, busy in r["cpu_cores_busy"].items())
+          # CPU per token: on a machine whose speed drifts, steadier than tokens/s for comparing server changes
+          + "; CPU per output token: "
+          + ", ".join(f"{name} {1e6 * busy / r['output_tok_s']:.1f} us" for name, busy in r["cpu_cores_busy"].items()
+                      if name != "client"), flush=True)
     return r
 
 
