@@ -297,6 +297,29 @@ def test_echo_gives_the_prompts_logprobs_as_an_evaluation_harness_reads_them(ser
     assert all(c["logprobs"] is None for c in reply["choices"])
 
 
+def test_echo_with_logprobs_of_a_rewritten_prompt_is_a_clear_error(model_dir, tmp_path):
+    """A prompt tuning adapter puts virtual tokens before the prompt: the prompt's log-probs are then not those of
+    the tokens the echoed text holds, so echo with logprobs is a 400 that says so; echo alone serves."""
+    import torch
+    import transformers
+    from peft import PromptTuningConfig, get_peft_model
+
+    folder, _ = model_dir
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(0)
+    get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).save_pretrained(
+        tmp_path / "pt")
+    server = Served([f"model.path={folder}", f"+adapters.pt={tmp_path / 'pt'}"], cwd=tmp_path)
+    try:
+        body = {"model": "pt", "prompt": "def main(", "echo": True, "max_tokens": 2, "temperature": 0}
+        reply = raw(server, "/v1/completions", {**body, "logprobs": 1}, key=None)
+        assert reply.status_code == 400 and "a prompt that a plugin rewrites" in reply.json()["error"]["message"]
+        reply = raw(server, "/v1/completions", body, key=None)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"].startswith("def main(")
+    finally:
+        server.stop()
+
+
 def test_the_tokenizer_endpoints_equal_transformers_tokenizer(served, model_dir):
     """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-evaluation-harness's remote tokenizer calls them:
     text with and without the special tokens, a chat as the chat endpoint encodes it, and back."""

@@ -304,6 +304,10 @@ class Server:
         if sample.logprobs is None:
             return None
         decode, prompt = self.tokenizer.decode, output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        if len(prompt) != len(output.prompt_token_ids):  # a plugin rewrote the prompt (prompt tuning's virtual
+            # tokens, an image's widened pads): its log-probs are not those of the tokens the text echoes
+            raise APIError(400, "echo with logprobs is not served for a prompt that a plugin rewrites (a prompt "
+                                "tuning adapter, images); ask without logprobs", param="echo")
         generated = self.logprobs_of([] if prompt_only else sample.logprobs, False)
         return {"tokens": [decode([t]) for t in output.prompt_token_ids] + generated["tokens"],
                 "token_logprobs": [e and e["logprob"] for e in prompt] + generated["token_logprobs"],
