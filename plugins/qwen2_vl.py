@@ -253,6 +253,11 @@ def zoo_request_fields():
     return ["images"]
 
 
+def pads_needed(parsed: list, merge: int) -> list[int]:
+    """Each image's image-pad tokens: one per merged patch of its grid."""
+    return [t * h * w // merge ** 2 for _, (t, h, w) in parsed]
+
+
 @hookimpl
 def zoo_prompt_transform(request, description):
     """Read the request's images; where its prompt has one pad per image (as Qwen2-VL's chat template writes
@@ -279,7 +284,7 @@ def zoo_prompt_transform(request, description):
             raise RequestError(f"image {i}: {exc}") from None
     request.plugin_state[PARSED] = parsed
     pad, prompt = description.extra["image_token_id"], request.prompt_token_ids
-    sizes = [t * h * w // merge ** 2 for _, (t, h, w) in parsed]
+    sizes = pads_needed(parsed, merge)
     if prompt.count(pad) == len(parsed) != sum(sizes):
         widths = iter(sizes)
         request.prompt_token_ids = [t for token in prompt for t in ([pad] * next(widths) if token == pad else [token])]
@@ -292,7 +297,7 @@ def zoo_request_validate(request, description):
         return None
     merge = description.extra["spatial_merge_size"]
     pads = request.prompt_token_ids.count(description.extra["image_token_id"])
-    needed = sum(t * h * w // merge ** 2 for _, (t, h, w) in parsed)
+    needed = sum(pads_needed(parsed, merge))
     if pads != needed:
         grids = ", ".join(f"{t}x{h}x{w}" for _, (t, h, w) in parsed)
         return (f"the prompt has {pads} image-pad tokens, but the images' grids ({grids}, merged {merge}x{merge}) "

@@ -181,8 +181,10 @@ class EngineLoop:
 
     def _send(self) -> None:
         count, state = len(self.conns), self.state()
-        outboxes = [self.outbox] if count == 1 else [[] for _ in range(count)]
-        if count > 1:
+        if count == 1:  # one HTTP process: the whole outbox, without sorting it
+            outboxes = [self.outbox]
+        else:
+            outboxes = [[] for _ in range(count)]
             for ident, event in self.outbox:
                 outboxes[ident % count].append((ident, event))
         for conn, events in zip(self.conns, outboxes):
