@@ -37,11 +37,13 @@ from gpu import write_checkpoint  # noqa: E402
 # proj_rows rows; rotary with the cache write and SiLU-and-mul in the epilogues of those products (fold); an
 # overlapped step's inputs advanced by one kernel (advance); tiles of one row (one_row). (Round 9 also had the
 # RMSNorms folded into those products, since dropped: 3.92 against 1.03 ms per batch-1 replay,
-# bench/results/gpu/round9/profile_fold_norms_advance.txt.)
+# bench/results/gpu/round9/profile_fold_norms_advance.txt; round 11's second fold, where each product computed its
+# rows' norm tile by tile, was 1.052 against 0.938 ms in round 12 and was dropped too, as were deep one-row tiles
+# for gate/up (0.946) and the down product's whole 8192-deep rows (0.981): round12/profile_switches.txt.)
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, fold_norms=False, cached_first=False)
+            one_row={}, weights_first=False, cached_first=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -63,23 +65,13 @@ VARIANTS = {
     # zoo's defaults (fused_ops, triton_attention), and the same without programmatic dependent launch: under PDL
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
-    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True),
-    "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, one_row=DEEP_ROWS,
-                           weights_first=True),
-    # Not yet measured (round 11's device time ran out): the norms folded into the products after them
-    # (fused_ops.FOLD_NORMS); gate/up on deep one-row tiles too, which load their first 2048-deep tile before the
-    # wait, after a norm kernel short enough to leave that time (the cold sweep runs gate/up after gate/up, which
-    # leaves none: 18.20 against 17.74 us there); the down product's whole 8192-deep rows, two per program, all
-    # loaded before the wait.
-    "fold_norms": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True,
-                       fold_norms=True),
-    "gate_up_deep": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
-                         one_row={**DEEP_ROWS, (16384, 2048): (8, 2048, 3, 2)}),
-    "down_whole_rows": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, weights_first=True,
-                            one_row={(4096, 2048): (8, 2048, 3, 2), (4096, 1 << 62): (2, 8192, 1, 8)}),
-    # the decode kernel's first tile of cached keys and values read before its wait (triton_attention.CACHED_FIRST)
-    "cached_first": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True,
-                         cached_first=True),
+    "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
+                    weights_first=True, cached_first=True),
+    "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
+                           weights_first=True, cached_first=True),
+    # round 11, before round 12 turned on the decode kernel's first tile of cached keys and values read before its
+    # wait (triton_attention.CACHED_FIRST)
+    "round11": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True),
     # Round 11: the products' first weight tile loaded before the PDL wait (fused_ops.WEIGHTS_FIRST); the down
     # product (8192 deep) on GEMV_CONFIGS' tile at one row (`bench/gemv_kernel.py --cold` on the H100: 14.9 against
     # 16.3 us); and whole 2048-deep rows as one tile, all loaded before the wait
@@ -112,7 +104,6 @@ def apply(variant: dict) -> None:
     fused_ops.ADVANCE_KERNEL = variant["advance"]
     fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
-    fused_ops.FOLD_NORMS = variant["fold_norms"]
     triton_attention.CACHED_FIRST = variant["cached_first"]
 
 

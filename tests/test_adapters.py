@@ -141,25 +141,6 @@ def test_a_mixed_batch_gives_peft_tokens_request_by_request(families, name):
     assert "adapter r8: LORA r=8, alpha 16, rslora" in summary and "adapter prompt: PROMPT_TUNING 5 virtual tokens" in summary
 
 
-def test_adapters_beside_folded_norms_give_peft_tokens(families, monkeypatch):
-    """With the fused kernels on and the layers' norms to be folded into the products after them
-    (fused_ops.FOLD_NORMS), projections that adapters wrap take the norm computed on its own
-    (PendingNorm.materialize): the mixed batch still gives peft's tokens. On CPU the kernels run in Triton's
-    interpreter."""
-    pytest.importorskip("triton")
-    from zoo import fused_ops
-
-    monkeypatch.setattr(fused_ops, "FOLD_NORMS", True)
-    materialized = []
-    original = fused_ops.PendingNorm.materialize
-    monkeypatch.setattr(fused_ops.PendingNorm, "materialize", lambda self: materialized.append(1) or original(self))
-    family = families["llama"]
-    llm = family.llm()
-    llm.engine.model.use_fused_ops(True)
-    check_against_peft(family, llm, prompt_set()[:2])
-    assert materialized
-
-
 def test_chunked_prefill_preemption_and_eviction(families):
     """Small steps, a cache that forces preemption, one device slot and one host copy: the same tokens."""
     family = families["llama"]

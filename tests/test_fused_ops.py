@@ -153,47 +153,6 @@ def test_qkv_rope_and_cache_write_is_the_product_then_the_rope_kernel(dtype, hea
     torch.testing.assert_close(cache, expected_cache, **exact)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,with_residual,deep_k", [(1, True, False), (1, False, False), (3, True, True)])
-def test_a_norm_folded_into_the_products_is_the_norm_kernel_then_the_product(dtype, rows, with_residual, deep_k,
-                                                                             monkeypatch):
-    """fused_ops.PendingNorm: gate/up with SiLU and q/k/v with rotary and the cache write computing
-    rms_norm(x + residual) * weight on their way in give the norm kernel's output through the unfolded product,
-    and the sum it stores is the norm kernel's; deep_k: a K loop of several tiles (each normalised on its own)."""
-    if deep_k:
-        monkeypatch.setattr(fused_ops, "GEMV_CONFIGS", {1 << 62: (16, 64, 2, 4)})
-    g = torch.Generator().manual_seed(20 + rows)
-    hidden, eps = 300, 1e-5  # 300: not a power of two, so the row is masked
-    x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
-    residual = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype) if with_residual else None
-    norm_weight = (1 + torch.randn(hidden, generator=g) / 4).to(DEVICE, dtype)
-    normed, summed = fused_ops.add_rms_norm(x, residual, norm_weight, eps)
-    close = fold_tolerance(dtype) if dtype == torch.float32 else tolerance(dtype)  # 1/rms summed in another order
-
-    gate_up = torch.randn(2 * 70, hidden, generator=g).to(DEVICE, dtype) / 10
-    pending = fused_ops.PendingNorm(x, residual, norm_weight, eps)
-    out = fused_ops.gate_up_silu(x, gate_up, None, pending)
-    torch.testing.assert_close(out, fused_ops.gate_up_silu(normed, gate_up, None), **close)
-    assert torch.equal(pending.summed, summed)
-
-    heads, kv_heads, head_dim = 4, 2, 16
-    desc = ModelDescription("x", 50, heads * head_dim, 1, heads, kv_heads, 64, rope_theta=1000.0)
-    qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g).to(DEVICE, dtype) / 10
-    positions = torch.tensor([[3, 17, 40][:rows]], device=DEVICE)
-    cos, sin = (t[:, 0] for t in Rotary(desc).to(DEVICE).prepare(positions, dtype))
-    slots = torch.tensor([5, 13, 30][:rows], device=DEVICE)
-    cache = torch.zeros(2, 8, 4, kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    expected_cache = cache.clone()
-    expected_q = fused_ops.qkv_rope_and_write_cache(normed, qkv, None, cos, sin, expected_cache[0],
-                                                    expected_cache[1], slots, heads, kv_heads)
-    pending = fused_ops.PendingNorm(x, residual, norm_weight, eps)
-    q = fused_ops.qkv_rope_and_write_cache(x, qkv, None, cos, sin, cache[0], cache[1], slots, heads, kv_heads,
-                                           pending)
-    torch.testing.assert_close(q, expected_q, **close)
-    torch.testing.assert_close(cache, expected_cache, **close)
-    assert torch.equal(pending.summed, summed)
-
-
 def test_linear_past_the_row_limit_is_f_linear():
     x, weight = torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8)
     assert not fused_ops.gemv_fits(x, weight)
@@ -242,10 +201,9 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
     with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
     the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues, and the layers' norms in those products' prologues (fused_ops.FOLD_NORMS)."""
+    products' epilogues."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
-    monkeypatch.setattr(fused_ops, "FOLD_NORMS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
     calls = []  # the folding kernels that ran
     for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):
@@ -253,8 +211,6 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
             calls.append(_name)
             return _kernel(*args)
         monkeypatch.setattr(fused_ops, kernel_name, counted)
-    launch_args = fused_ops.PendingNorm.launch_args
-    monkeypatch.setattr(fused_ops.PendingNorm, "launch_args", lambda self: calls.append("norm") or launch_args(self))
     folder, model = checkpoints[name]
     llm = LLM(str(folder), max_num_batched_tokens=16)
     llm.engine.model.use_fused_ops(True)
@@ -264,7 +220,7 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
         assert out.token_ids == hf_greedy(model, prompt, 6)[0]
     assert llm.engine.advanced_in_place > 0  # overlapped steps' inputs advanced by fused_ops.advance_decode_rows
     folds_ran = fold and projection_rows > 0
-    assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu", "norm"} if folds_ran else set())
+    assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set())
 
 
 @pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])

@@ -53,10 +53,11 @@ PROJECTION_GEMV_MAX_ROWS = 4
 FOLD_INTO_PROJECTIONS = True
 # Whether an overlapped decode step's inputs advance in one kernel (``advance_decode_rows``) instead of about ten
 # PyTorch ops, each a launch the host pays for in every step. The same integers either way (checked on CPU in
-# Triton's interpreter, and compiled for sm_90 by bench/compile_sm90.py). Off: on the H200 the graph replays were
-# unchanged (0.988x, within the spread) and the profile's host figures did not separate it
-# (bench/results/gpu/round9/profile_fold_norms_advance.txt, `--variants fold fold_advance`).
-ADVANCE_KERNEL = False
+# Triton's interpreter, and compiled for sm_90 by bench/compile_sm90.py). Graph replays do not show it (round 9:
+# 0.988x); the engine's steps do: on the H200, 1039 against 1020 and 1021 tok/s at batch 1 and 44798 against 44069
+# and 43807 at batch 64, same tokens (`bench/gpu.py --compare-switch fused_ops.ADVANCE_KERNEL`,
+# bench/results/gpu/round12/gpu_compare_advance.md).
+ADVANCE_KERNEL = True
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -77,13 +78,6 @@ GEMV_ONE_ROW_CONFIGS: dict[tuple[int, int], tuple] = {(4096, 2048): (8, 2048, 3,
 # (programmatic dependent launch): weights are never written inside a step, so that tile streams while the
 # kernel before finishes, and a product after a short kernel (attention, a norm) starts with part of its bytes in.
 WEIGHTS_FIRST = True
-# Whether a decoder layer's two RMSNorms (with the residual add before each) run inside the product after them,
-# q/k/v and gate/up, where those products stream their weights (PendingNorm): 32 launches fewer per decode step
-# of a 16-layer model. Each program computes its rows' 1 / rms from x and the residual, tile by tile of the
-# product's depth; the first stores the sum. Off until measured: built and tested on CPU (Triton's interpreter;
-# bench/compile_sm90.py compiles it) in round 11, whose device time ran out before the A/B
-# (`bench/profile_gpu_step.py --variants current fold_norms`). Round 9's first try was 3.9 times slower.
-FOLD_NORMS = False
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
@@ -207,58 +201,13 @@ if triton is not None:
             return acc + tl.dot(x, tl.trans(w))
 
     @triton.jit
-    def _plus_residual(x, residual_ptrs, ok):
-        # x + residual rounded to x's dtype, as _add_rms_norm_kernel and eager PyTorch round the residual add
-        r = tl.load(residual_ptrs, mask=ok, other=0.0)
-        return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-
-    @triton.jit
-    def _row_rstd(X, Residual, Summed, offs_m, row_ok, k, stride_x, stride_r, stride_s, eps,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # A folded RMSNorm's 1 / rms of each row of x + residual (the sum rounded as _add_rms_norm_kernel rounds
-        # it), over tiles of the product's depth, so that it fits the product's registers; the first program
-        # stores the sum, the residual stream's next value.
-        offs_k = tl.arange(0, BLOCK_K)
-        squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-        for start in range(0, k, BLOCK_K):
-            ks = start + offs_k
-            ok = row_ok[:, None] & (ks < k)[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
-            if HAS_RESIDUAL:
-                x = _plus_residual(x, Residual + offs_m[:, None] * stride_r + ks[None, :], ok)
-                if tl.program_id(0) == 0:
-                    tl.store(Summed + offs_m[:, None] * stride_s + ks[None, :], x, mask=ok)
-            xf = x.to(tl.float32)
-            squares += xf * xf
-        return tl.rsqrt(tl.sum(squares, 1) / k + eps)
-
-    @triton.jit
-    def _input_tile(X, Residual, NormWeight, rstd, offs_m, row_ok, ks, k_ok, stride_x, stride_r,
-                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        # x's columns ``ks``; with a folded norm, rms_norm(x + residual) * weight there, rounded as the norm kernel
-        ok = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
-        if NORM:
-            dtype = X.dtype.element_ty
-            if HAS_RESIDUAL:
-                x = _plus_residual(x, Residual + offs_m[:, None] * stride_r + ks[None, :], ok)
-            normed = (x.to(tl.float32) * rstd[:, None]).to(dtype)
-            weight = tl.load(NormWeight + ks, mask=k_ok, other=0.0)
-            x = (normed.to(tl.float32) * weight.to(tl.float32)[None, :]).to(dtype)
-        return x
-
-    @triton.jit
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
                         IEEE: tl.constexpr, DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-                        Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
         # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32. Waits for the
         # kernel before (PDL) after loading the first weight tile when WEIGHTS_FIRST: no kernel of a step writes
-        # weights, so their first bytes may stream while that kernel finishes. NORM: x is rms_norm(X + Residual)
-        # * NormWeight, computed here (the separate norm kernel's launch and round trip saved); the first
-        # program stores X + Residual in Summed.
+        # weights, so their first bytes may stream while that kernel finishes.
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < k
         w_first = W + cols[:, None] * stride_w + offs_k[None, :]
@@ -268,20 +217,13 @@ if triton is not None:
         else:
             wait_for_previous_kernel(PDL)
             w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            rstd = _row_rstd(X, Residual, Summed, offs_m, row_ok, k, stride_x, stride_r, stride_s, eps,
-                             HAS_RESIDUAL, BLOCK_M, BLOCK_K)
-        else:
-            rstd = tl.zeros([BLOCK_M], tl.float32)
-        x = _input_tile(X, Residual, NormWeight, rstd, offs_m, row_ok, offs_k, k_ok, stride_x, stride_r, NORM,
-                        HAS_RESIDUAL)
+        x = tl.load(X + offs_m[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, IEEE, DOT)
         for start in range(BLOCK_K, k, BLOCK_K):
             ks = start + offs_k
             k_ok = ks < k
             w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = _input_tile(X, Residual, NormWeight, rstd, offs_m, row_ok, ks, k_ok, stride_x, stride_r, NORM,
-                            HAS_RESIDUAL)
+            x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _tile_product(acc, x, w, IEEE, DOT)
         return acc
 
@@ -298,7 +240,7 @@ if triton is not None:
         # (Prefetching all of this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the
         # first 512 columns, 19% slower for all of them, profile_pdl_ab.txt. WEIGHTS_FIRST loads one tile.)
         acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w, IEEE, DOT, BLOCK_M, BLOCK_N,
-                              BLOCK_K, PDL, WEIGHTS_FIRST, X, X, X, 0, 0, 0.0, False, False)
+                              BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
@@ -307,9 +249,7 @@ if triton is not None:
     @triton.jit
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-                        Residual, NormWeight, Summed, stride_r, stride_s, eps,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
         i = tl.arange(0, 2 * PAIR)
@@ -317,8 +257,7 @@ if triton is not None:
         col_ok = first + i % PAIR < n
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
-                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST,
-                              Residual, NormWeight, Summed, stride_r, stride_s, eps, NORM, HAS_RESIDUAL)
+                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -326,15 +265,13 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
-                             Residual, NormWeight, Summed, stride_r, stride_s, eps,
                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                             WEIGHTS_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                             WEIGHTS_FIRST: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST,
-                                   Residual, NormWeight, Summed, stride_r, stride_s, eps, NORM, HAS_RESIDUAL)
+                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -346,11 +283,10 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
                                stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
-                               Residual, NormWeight, Summed, stride_r, stride_s, eps,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                               WEIGHTS_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                               WEIGHTS_FIRST: tl.constexpr):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
         head = tl.program_id(0) // (HALF // PAIR)
@@ -359,8 +295,7 @@ if triton is not None:
         first = head * 2 * HALF + start
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
                                  rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL,
-                                 WEIGHTS_FIRST, Residual, NormWeight, Summed, stride_r, stride_s, eps, NORM,
-                                 HAS_RESIDUAL)
+                                 WEIGHTS_FIRST)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -544,45 +479,6 @@ def folds_into_projection(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return FOLD_INTO_PROJECTIONS and gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS)
 
 
-class PendingNorm:
-    """``rms_norm(x + residual) * weight``, not yet computed: ``qkv_rope_and_write_cache`` and ``gate_up_silu``
-    compute it on their way in (FOLD_NORMS), anything else calls ``materialize``. ``summed``, x + residual (the
-    residual stream's next value), comes from whichever computed it."""
-
-    def __init__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-        self.x, self.residual, self.weight, self.eps = x, residual, weight, eps
-        self._summed: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    def materialize(self) -> torch.Tensor:
-        normed, self._summed = add_rms_norm(self.x, self.residual, self.weight, self.eps)
-        return normed
-
-    @property
-    def summed(self) -> torch.Tensor:
-        if self._summed is None:  # no product consumed it
-            self.materialize()
-        return self._summed
-
-    def launch_args(self) -> tuple[tuple, dict]:
-        """The fold's kernel arguments, (Residual, NormWeight, Summed, stride_r, stride_s, eps), and constexprs;
-        allocates ``summed`` for the kernel's first program to store."""
-        residual = self.residual
-        self._summed = torch.empty_like(self.x) if residual is not None else self.x
-        return ((residual if residual is not None else self.x, self.weight, self._summed,
-                 residual.stride(0) if residual is not None else 0, self._summed.stride(0), self.eps),
-                dict(NORM=True, HAS_RESIDUAL=residual is not None))
-
-
-def _norm_args(x: torch.Tensor, norm: PendingNorm | None) -> tuple[tuple, dict]:
-    if norm is None:
-        return (x, x, x, 0, 0, 0.0), dict(NORM=False, HAS_RESIDUAL=False)
-    return norm.launch_args()
-
-
 def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int) -> dict:
     # The tile of the plain kernel for this weight, cut into two runs of PAIR rows.
     block_n, block_k, stages, warps = gemv_config(weight.shape[0], x.shape[0], weight.shape[1])
@@ -592,26 +488,23 @@ def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int)
                 **pdl_options(x.device))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 norm: PendingNorm | None = None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``silu_and_mul(F.linear(x, weight, bias))`` for ``weight = [gate; up]``, as one launch: each program
-    streams matching gate and up rows and stores only the activated product. With ``norm`` (whose ``x`` is
-    ``x``), of ``norm``'s normalised input instead."""
+    streams matching gate and up rows and stores only the activated product."""
     half = weight.shape[0] // 2
     out = torch.empty(x.shape[0], half, dtype=x.dtype, device=x.device)
     options = _paired_launch(x, weight, bias, 1 << 30)
-    norm_args, norm_options = _norm_args(x, norm)
     _gate_up_silu_kernel[(triton.cdiv(half, options["PAIR"]),)](
         x, weight, bias if bias is not None else weight, out, x.shape[0], half, weight.shape[1],
-        x.stride(0), weight.stride(0), out.stride(0), *norm_args, **options, **norm_options)
+        x.stride(0), weight.stride(0), out.stride(0), **options)
     return out
 
 
 def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
-                             num_heads: int, num_kv_heads: int, norm: PendingNorm | None = None) -> torch.Tensor:
+                             num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch.
     ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two half; cos, sin: ``[T, head_dim]`` or
-    None (no rotary); ``norm``: as in ``gate_up_silu``. Returns q ``[T, heads, head_dim]``."""
+    None (no rotary). Returns q ``[T, heads, head_dim]``."""
     tokens = x.shape[0]
     head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
     half = head_dim // 2
@@ -620,12 +513,11 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     has_rope = cos is not None
     options = _paired_launch(x, weight, bias, half)
-    norm_args, norm_options = _norm_args(x, norm)
     _qkv_rope_cache_kernel[((num_heads + 2 * num_kv_heads) * half // options["PAIR"],)](
         x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
         flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
-        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1), *norm_args,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options, **norm_options,
+        cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options,
         **EXACT_ROUNDING)
     return q
 

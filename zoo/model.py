@@ -154,11 +154,6 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
     return norm(summed), summed
 
 
-def materialized(x):
-    """``x``, or the normalised input a ``fused_ops.PendingNorm`` stands for, computed now."""
-    return x.materialize() if isinstance(x, fused_ops.PendingNorm) else x
-
-
 def make_norm(desc: ModelDescription) -> nn.Module:
     if desc.norm == "rms":
         return RMSNorm(desc.hidden_size, desc.norm_eps)
@@ -443,11 +438,8 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, hidden, rope):
-        """``rope``: (rotary module, its tables for this step), or None without rotary positions. ``hidden``: the
-        normalised input, or a ``fused_ops.PendingNorm`` the q/k/v product computes on its way in."""
+        """``rope``: (rotary module, its tables for this step), or None without rotary positions."""
         meta = get_forward_context().attention
-        pending = hidden if isinstance(hidden, fused_ops.PendingNorm) else None
-        hidden = hidden if pending is None else pending.x
         tokens = hidden.shape[0]
         rotary, tables = rope if rope is not None else (None, None)
         fused_rope = self.fused and (rotary is None or rotary.rotate_half_tables)
@@ -458,9 +450,8 @@ class Attention(nn.Module):
         if folds:
             q = fused_ops.qkv_rope_and_write_cache(
                 hidden, joint.weight, joint.bias, cos, sin, self.kv_cache[0], self.kv_cache[1], meta.slot_mapping,
-                self.num_heads, self.num_kv_heads, pending)
+                self.num_heads, self.num_kv_heads)
         else:
-            hidden = hidden if pending is None else pending.materialize()
             if self.qkv_proj is not None:
                 q, k, v = self.qkv_proj(hidden)
             else:
@@ -500,17 +491,13 @@ class MLP(nn.Module):
             self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x):
-        """``x``: the normalised input, or a ``fused_ops.PendingNorm`` the gate/up product computes on its way in."""
-        pending = x if isinstance(x, fused_ops.PendingNorm) else None
         if self.gate_up_proj is not None and self.fused and self.act is F.silu:
             joint = self.gate_up_proj.joint
-            raw = x if pending is None else pending.x
-            if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(raw, joint.weight):
-                activated = fused_ops.gate_up_silu(raw, joint.weight, joint.bias, pending)
+            if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight):
+                activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
             else:
-                activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(materialized(x)))
+                activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
             return project(self.down_proj, activated, True)
-        x = materialized(x)
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x)
             return self.down_proj(self.act(gate) * up)
@@ -535,21 +522,8 @@ class DecoderLayer(nn.Module):
     def _residual(self, normed, summed):
         return normed * self.residual_scale if self.residual_of_normed else summed
 
-    def folds_norms(self) -> bool:
-        """Whether the norms may run inside the products after them (``fused_ops.FOLD_NORMS``): fused RMSNorms
-        on a plain pre-norm residual stream, the projections whole on this rank."""
-        return (fused_ops.FOLD_NORMS and self.parallel is None and not self.residual_of_normed
-                and all(isinstance(n, RMSNorm) and n.fused
-                        for n in (self.input_layernorm, self.post_attention_layernorm)))
-
     def forward(self, hidden, residual, rope):
         """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
-        if self.folds_norms():
-            first = fused_ops.PendingNorm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-            attended = self.self_attn(first, rope)
-            norm = self.post_attention_layernorm
-            second = fused_ops.PendingNorm(attended, first.summed, norm.weight, norm.eps)
-            return self.mlp(second), second.summed
         normed, hidden = add_norm(self.input_layernorm, hidden, residual)
         residual = self._residual(normed, hidden)
         attended = summed(self.parallel, self.self_attn(normed, rope))

@@ -86,9 +86,10 @@ def pdl_options(device: torch.device) -> dict:
 
 
 # Whether the decode kernel reads the first tile of its context before its PDL wait, but for the positions the
-# step may write (see the kernel). Off until measured: built and tested on CPU in round 11, whose device time
-# ran out before the A/B (`bench/profile_gpu_step.py --variants current cached_first`).
-CACHED_FIRST = False
+# step may write (see the kernel): that read overlaps the kernel before it. On the H200 a batch-1 decode graph
+# replayed in 0.906 against 0.938 ms (medians of 7 interleaved rounds, bench/profile_gpu_step.py
+# --variants current cached_first; bench/results/gpu/round12/profile_switches.txt).
+CACHED_FIRST = True
 
 
 # The partial results' strides follow the step's split count. Triton would compile a variant per stride class
