@@ -41,6 +41,7 @@
 #   pytest_cuda.txt                                    test_gpu.py, then the whole suite with -x (PYTEST_X= : without; SUITE=0: test_gpu.py only; GPU_TESTS: other files for that first part; SUITE_ARGS: more pytest arguments for the suite, e.g. "-n 4 --dist loadfile": the device has pytest-xdist)
 #   summary.txt                                        the table printed at the end
 #   logs.tgz                                           every log, gpu.md/png, pip output, the environment
+#   results.tgz                                        where the parts wrote more than 8 files: all but the three above
 
 set -u
 cd "$(dirname "$0")/.."
@@ -375,4 +376,11 @@ if p.exists():
 EOF
 cat "$OUT/summary.txt"
 pack
+# The device returns at most 8 files from $OUT: past that, everything but the summary, the test output and the
+# logs goes back in one archive (round 12 lost a profile's log and table to the limit).
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && find . -type f ! -name summary.txt ! -name pytest_cuda.txt ! -name logs.tgz ! -name results.tgz -print0 \
+     | tar -czf results.tgz --null -T - --remove-files && find . -type d -empty -delete)
+  note "more than 8 files in $OUT: packed into results.tgz"
+fi
 note "done"
