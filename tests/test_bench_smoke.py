@@ -91,3 +91,27 @@ def test_serve_script_pins_the_server_and_interleaves_the_offline_engine(tmp_pat
     assert len(record["interleaved_pairs"]) == 2 and all(pair["ratio"] > 0 for pair in record["interleaved_pairs"])
     if len(cores) > 1:  # LLM.generate computed on the server's one core
         assert record["server_cpus"] == [cores[-1]] and record["offline_threads"] == 1
+
+
+def test_the_profiles_current_variant_is_the_runtimes_defaults():
+    # bench/profile_gpu_step.py's "current" variant is what its A/Bs measure new switches against: it must set
+    # every switch it touches to the runtime's default, or the profile measures a configuration nobody runs.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import profile_gpu_step
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from zoo import fused_ops, triton_attention
+
+    switches = [(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
+                                               "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
+                                               "WEIGHTS_FIRST")]
+    switches += [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST")]
+    defaults = {(module.__name__, name): getattr(module, name) for module, name in switches}
+    try:
+        profile_gpu_step.apply(profile_gpu_step.VARIANTS["current"])
+        applied = {(module.__name__, name): getattr(module, name) for module, name in switches}
+    finally:
+        for module, name in switches:
+            setattr(module, name, defaults[(module.__name__, name)])
+    assert applied == defaults
