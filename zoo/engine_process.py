@@ -330,11 +330,9 @@ class EngineClient:
         try:
             message = self.conn.recv()
         except EOFError:
-            status = "unknown"
-            if self.process is not None:
-                self.process.join()
-                status = self.process.exitcode
-            message = ("failed", f"the engine process exited with status {status}", 1)
+            status = self._engine_exit_status()
+            message = ("failed", f"the engine process exited with status "
+                                 f"{status if status is not None else 'unknown'}", 1)
         if message[0] == "failed":
             self.failure = message[1:]
             return
@@ -371,6 +369,14 @@ class EngineClient:
         for child in children:
             child.close()
         return cls(pipes[0][0], 0, count, ranks), [parent for parent, _ in pipes[1:]]
+
+    def _engine_exit_status(self, timeout: float | None = None) -> int | None:
+        """The exit status of the engine process (rank 0), reaped so that it is known; None where this HTTP process
+        did not start it, or it still runs after ``timeout``."""
+        if self.process is None:
+            return None
+        self.process.join(timeout)
+        return self.process.exitcode
 
     @property
     def alive(self) -> bool:
@@ -410,10 +416,7 @@ class EngineClient:
             try:
                 _, events, state = self.conn.recv()
             except (EOFError, OSError) as exc:
-                status = None
-                if self.process is not None:
-                    self.process.join(timeout=1)  # reaped, so that its exit status is known
-                    status = self.process.exitcode
+                status = self._engine_exit_status(timeout=1)
                 cause = f"exit status {status}" if status is not None else repr(exc)
                 failure = f"the engine process stopped ({cause})"
                 if not self.stopping:  # the server's log says why its streams ended
