@@ -46,7 +46,7 @@ def signature(kernel, pointers: dict[str, str]) -> dict[str, str]:
 
 
 PDL = dict(PDL=True)
-PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST)  # the weight-streaming kernels
+PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST, EVICT="")  # the weight-streaming kernels
 # (name, kernel, pointers not bf16 ("*": all of them), constexprs, launch options)
 CASES = [
     ("add_rms_norm", fused_ops._add_rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=2048, **PDL), {}),
@@ -70,6 +70,14 @@ CASES = [
     ("qkv_rope_cache, narrow", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=True, IEEE=False, DOT=False,
           BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), fused_ops.EXACT_ROUNDING),
+    ("qkv_rope_cache, gate/up prefetched after its stores, weights evicted first", fused_ops._qkv_rope_cache_kernel,
+     {"SlotMapping": "*i64"},
+     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=False,
+          BLOCK_M=1, PAIR=4, BLOCK_K=2048, **dict(PRODUCT, EVICT="evict_first"), PREFETCH="late"),
+     fused_ops.EXACT_ROUNDING),
+    ("qkv_rope_cache, gate/up prefetched before its wait", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
+     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=False,
+          BLOCK_M=1, PAIR=4, BLOCK_K=2048, **PRODUCT, PREFETCH="early"), fused_ops.EXACT_ROUNDING),
     ("argmax chunks", fused_ops._argmax_chunk_kernel, {"Logits": "*fp32", "Values": "*fp32", "Indices": "*i32"},
      dict(BLOCK=fused_ops.ARGMAX_BLOCK, **PDL), {}),
     ("argmax rows", fused_ops._argmax_rows_kernel, {"Values": "*fp32", "Indices": "*i32", "Out": "*i64"},
@@ -116,8 +124,10 @@ def main() -> int:
         # CACHED_FIRST, the decode kernel's first tile of cached keys and values
         before_wait = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
         early = sum(before_wait.count(op) for op in ("ld.global", "cp.async"))
+        prefetches = ptx.count("cp.async.bulk.prefetch.L2")
         print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions, "
-              f"{early} global loads before the PDL wait", flush=True)
+              f"{early} global loads before the PDL wait"
+              + (f", {prefetches} bulk L2 prefetches" if prefetches else ""), flush=True)
     if failed:
         print(f"{len(failed)} of {len(CASES)} kernels failed to compile for sm_90: {', '.join(failed)}")
         return 1

@@ -195,20 +195,27 @@ def test_no_programmatic_dependent_launch_off_hopper():
     assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
-@pytest.mark.parametrize("name,projection_rows,fold", [
-    ("llama", 0, True), ("qwen2", 0, True), ("llama", 64, False), ("llama", 64, True), ("qwen2", 64, True)])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, monkeypatch):
+@pytest.mark.parametrize("name,projection_rows,fold,prefetch", [
+    ("llama", 0, True, False), ("qwen2", 0, True, False), ("llama", 64, False, False), ("llama", 64, True, False),
+    ("qwen2", 64, True, False), ("llama", 64, True, True)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, prefetch, monkeypatch):
     """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
     with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
     the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues."""
+    products' epilogues. With prefetch, the q/k/v kernel asks L2 for gate/up's weights ahead (on Hopper) and the
+    products load weights evict-first: hints to the memory system that must leave every token as it was."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
+    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", (1 << 20) if prefetch else 0)
+    monkeypatch.setattr(fused_ops, "WEIGHTS_EVICT_FIRST", prefetch)
     calls = []  # the folding kernels that ran
+    prefetched = []  # (bytes per half) of each q/k/v launch's gate/up prefetch
     for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
             calls.append(_name)
+            if _name == "qkv_rope_and_write_cache":
+                prefetched.append(fused_ops._prefetch_ahead(args[10], args[0].device)[0])
             return _kernel(*args)
         monkeypatch.setattr(fused_ops, kernel_name, counted)
     folder, model = checkpoints[name]
@@ -221,6 +228,23 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     assert llm.engine.advanced_in_place > 0  # overlapped steps' inputs advanced by fused_ops.advance_decode_rows
     folds_ran = fold and projection_rows > 0
     assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set())
+    hopper = fused_ops.launches_pdl(torch.device(DEVICE))
+    assert all(nbytes == ((1 << 19) if prefetch and hopper else 0) for nbytes in prefetched)
+
+
+def test_gate_up_prefetch_takes_the_first_rows_of_each_half(monkeypatch):
+    """The q/k/v kernel's L2 prefetch arguments: half of MLP_PREFETCH_BYTES from the gate rows and half from the up
+    rows, in 16-byte units, no more than a half holds; off without Hopper or without a weight."""
+    weight = torch.empty(2 * 96, 40, dtype=torch.bfloat16)  # 3840 elements a half: 7680 bytes
+    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 4000)
+    assert fused_ops._prefetch_ahead(weight, torch.device("cpu")) == (0, 0, "")  # the interpreter: no bulk prefetch
+    monkeypatch.setattr(fused_ops, "launches_pdl", lambda device: True)
+    assert fused_ops._prefetch_ahead(weight, weight.device) == (2000 // 16 * 16, 96 * 40, "late")
+    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 1 << 30)
+    assert fused_ops._prefetch_ahead(weight, weight.device) == (7680, 96 * 40, "late")
+    assert fused_ops._prefetch_ahead(None, weight.device) == (0, 0, "")
+    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 0)
+    assert fused_ops._prefetch_ahead(weight, weight.device) == (0, 0, "")
 
 
 @pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])

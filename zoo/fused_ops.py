@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from zoo.triton_attention import pdl_options, triton
+from zoo.triton_attention import launches_pdl, pdl_options, triton
 
 if triton is not None:
     import triton.language as tl
@@ -78,6 +78,18 @@ GEMV_ONE_ROW_CONFIGS: dict[tuple[int, int], tuple] = {(4096, 2048): (8, 2048, 3,
 # (programmatic dependent launch): weights are never written inside a step, so that tile streams while the
 # kernel before finishes, and a product after a short kernel (attention, a norm) starts with part of its bytes in.
 WEIGHTS_FIRST = True
+
+# Bytes of each layer's gate/up weights that its q/k/v kernel asks L2 to fetch ahead, with Hopper's bulk prefetch
+# (half from the first gate rows, half from the up rows paired with them): the attention, its merge, the o product
+# and the norm that run between them read little memory, so DRAM would idle while they run; with the prefetch those
+# bytes arrive then and gate/up, the largest product of a layer, finds them in L2. 0 turns it off.
+MLP_PREFETCH_BYTES = 0
+# When the q/k/v kernel issues it: "early", before its PDL wait (while the norm before it runs, beside its own first
+# weight tile), or "late", after its stores (while the attention runs).
+MLP_PREFETCH_POINT = "late"
+# Whether the weight-streaming kernels load weights with L2's evict-first policy: a step reads each weight once, and
+# the lines it streams past should not push out the ones prefetched for gate/up.
+WEIGHTS_EVICT_FIRST = False
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
@@ -192,6 +204,26 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
+    def _bulk_prefetch_l2(address, size):
+        # One thread of the program asks L2 for ``size`` bytes (a multiple of 16) from ``address`` (16-byte aligned);
+        # the copy engine fetches them while the program goes on. Hopper (sm_90) on; not in Triton's interpreter.
+        tl.inline_asm_elementwise(
+            "{ .reg .pred first; .reg .u32 thread; mov.u32 thread, %tid.x; setp.eq.u32 first, thread, 0; "
+            "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _prefetch_share(Base, nbytes, second):
+        # This program's share of ``nbytes`` from Base and of ``nbytes`` from Base + ``second`` elements, in
+        # 16-byte units: every program of the grid prefetches one slice of each.
+        share = tl.cdiv(tl.cdiv(nbytes, 16), tl.num_programs(0)) * 16
+        start = tl.program_id(0) * share
+        size = tl.minimum(share, nbytes - start)
+        if size > 0:
+            _bulk_prefetch_l2(Base.to(tl.pointer_type(tl.int8)) + start, size)
+            _bulk_prefetch_l2((Base + second).to(tl.pointer_type(tl.int8)) + start, size)
+
+    @triton.jit
     def _tile_product(acc, x, w, IEEE: tl.constexpr, DOT: tl.constexpr):
         if not DOT:  # a tile narrower than tensor cores take (see row_tile)
             return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
@@ -204,25 +236,26 @@ if triton is not None:
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
                         IEEE: tl.constexpr, DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr = ""):
         # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32. Waits for the
         # kernel before (PDL) after loading the first weight tile when WEIGHTS_FIRST: no kernel of a step writes
-        # weights, so their first bytes may stream while that kernel finishes.
+        # weights, so their first bytes may stream while that kernel finishes. EVICT: the weights' L2 eviction policy.
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < k
         w_first = W + cols[:, None] * stride_w + offs_k[None, :]
         if WEIGHTS_FIRST:
-            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
             wait_for_previous_kernel(PDL)
         else:
             wait_for_previous_kernel(PDL)
-            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
         x = tl.load(X + offs_m[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, IEEE, DOT)
         for start in range(BLOCK_K, k, BLOCK_K):
             ks = start + offs_k
             k_ok = ks < k
-            w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy=EVICT)
             x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _tile_product(acc, x, w, IEEE, DOT)
         return acc
@@ -231,7 +264,7 @@ if triton is not None:
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
                      HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     WEIGHTS_FIRST: tl.constexpr):
+                     WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -240,7 +273,7 @@ if triton is not None:
         # (Prefetching all of this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the
         # first 512 columns, 19% slower for all of them, profile_pdl_ab.txt. WEIGHTS_FIRST loads one tile.)
         acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w, IEEE, DOT, BLOCK_M, BLOCK_N,
-                              BLOCK_K, PDL, WEIGHTS_FIRST)
+                              BLOCK_K, PDL, WEIGHTS_FIRST, EVICT)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
@@ -249,7 +282,8 @@ if triton is not None:
     @triton.jit
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
+                        EVICT: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
         i = tl.arange(0, 2 * PAIR)
@@ -257,7 +291,7 @@ if triton is not None:
         col_ok = first + i % PAIR < n
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
-                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
+                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST, EVICT)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -267,11 +301,11 @@ if triton is not None:
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                             WEIGHTS_FIRST: tl.constexpr):
+                             WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
+                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST, EVICT)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -281,21 +315,25 @@ if triton is not None:
                  mask=(offs_m < rows)[:, None] & (cols < half)[None, :])
 
     @triton.jit
-    def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
-                               stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
+    def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, Ahead, ahead_bytes,
+                               ahead_second, rows, k, stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                               WEIGHTS_FIRST: tl.constexpr):
+                               WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr = ""):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
+        # PREFETCH ("early", "late" or ""): when this program asks L2 for its share of the ``ahead_bytes`` at Ahead
+        # and at Ahead + ``ahead_second`` elements (the gate/up weights after it; see MLP_PREFETCH_BYTES).
+        if PREFETCH == "early":
+            _prefetch_share(Ahead, ahead_bytes, ahead_second)
         head = tl.program_id(0) // (HALF // PAIR)
         start = (tl.program_id(0) % (HALF // PAIR)) * PAIR  # of this program's run in the head's first half
         offs_d = start + tl.arange(0, PAIR)
         first = head * 2 * HALF + start
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
                                  rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL,
-                                 WEIGHTS_FIRST)
+                                 WEIGHTS_FIRST, EVICT)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -322,6 +360,8 @@ if triton is not None:
                 cache_ptr = VCache + slot[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
                 tl.store(cache_ptr, x1.to(VCache.dtype.element_ty), mask=row_ok)
                 tl.store(cache_ptr + HALF, x2.to(VCache.dtype.element_ty), mask=row_ok)
+        if PREFETCH == "late":
+            _prefetch_share(Ahead, ahead_bytes, ahead_second)
 
 
     @triton.jit
@@ -425,8 +465,26 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tenso
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
         IEEE=weight.dtype == torch.float32, **row_tile(rows, block_n), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, **pdl_options(x.device))
+        num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, EVICT=_weight_eviction(),
+        **pdl_options(x.device))
     return out
+
+
+def _weight_eviction() -> str:
+    return "evict_first" if WEIGHTS_EVICT_FIRST else ""
+
+
+def _prefetch_ahead(ahead: torch.Tensor | None, device: torch.device) -> tuple[int, int, str]:
+    """(bytes per half, offset of the up half in elements, PREFETCH) of the q/k/v kernel's prefetch of ``ahead``,
+    a gate/up weight ``[gate; up]``: MLP_PREFETCH_BYTES split between the first gate rows and the up rows paired with
+    them, where the device has Hopper's bulk L2 prefetch. (0, 0, "") turns it off."""
+    if ahead is None or MLP_PREFETCH_BYTES <= 0 or not launches_pdl(device) or not ahead.is_contiguous():
+        return 0, 0, ""  # launches_pdl: CUDA on sm_90 or later, which the bulk prefetch needs as well
+    half = ahead.numel() // 2
+    nbytes = min(MLP_PREFETCH_BYTES // 2, half * ahead.element_size()) // 16 * 16
+    if nbytes == 0 or ahead.data_ptr() % 16 or (half * ahead.element_size()) % 16:
+        return 0, 0, ""
+    return nbytes, half, MLP_PREFETCH_POINT
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
@@ -485,6 +543,7 @@ def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int)
     pair = min(block_n // 2, pair_limit)
     return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32, **row_tile(x.shape[0], 2 * pair),
                 PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
+                EVICT=_weight_eviction(),
                 **pdl_options(x.device))
 
 
@@ -501,10 +560,11 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
-                             num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                             num_heads: int, num_kv_heads: int, ahead: torch.Tensor | None = None) -> torch.Tensor:
     """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch.
     ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two half; cos, sin: ``[T, head_dim]`` or
-    None (no rotary). Returns q ``[T, heads, head_dim]``."""
+    None (no rotary); ``ahead``: the gate/up weight the layer streams next, for L2 to fetch ahead
+    (MLP_PREFETCH_BYTES). Returns q ``[T, heads, head_dim]``."""
     tokens = x.shape[0]
     head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
     half = head_dim // 2
@@ -513,11 +573,12 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     has_rope = cos is not None
     options = _paired_launch(x, weight, bias, half)
+    ahead_bytes, ahead_second, prefetch = _prefetch_ahead(ahead, x.device)
     _qkv_rope_cache_kernel[((num_heads + 2 * num_kv_heads) * half // options["PAIR"],)](
         x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
-        flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
+        flat_k, flat_v, slot_mapping, ahead if prefetch else weight, ahead_bytes, ahead_second, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
         cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options, PREFETCH=prefetch,
         **EXACT_ROUNDING)
     return q
 
