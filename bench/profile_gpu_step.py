@@ -91,7 +91,7 @@ VARIANTS = {
 # Round 13: each layer's q/k/v kernel asks L2 for the first MB of its gate/up weights (fused_ops.MLP_PREFETCH_BYTES)
 # after its stores ("late") or before its PDL wait ("early"), and the products' weights loaded with L2's evict-first
 # policy (fused_ops.WEIGHTS_EVICT_FIRST)
-for _mb in (8, 16, 24, 32):
+for _mb in (8, 16, 24, 32, 40, 48):
     VARIANTS[f"prefetch{_mb}"] = dict(VARIANTS["current"], mlp_prefetch_mb=_mb)
     VARIANTS[f"prefetch{_mb}_early"] = dict(VARIANTS["current"], mlp_prefetch_mb=_mb, mlp_prefetch_point="early")
     VARIANTS[f"prefetch{_mb}_evict"] = dict(VARIANTS["current"], mlp_prefetch_mb=_mb, evict_first=True)
