@@ -200,6 +200,22 @@ def compare_switch(name: str, run, result: dict, tokens) -> dict:
     return entry
 
 
+def set_switches(assignments: list[str]) -> dict:
+    """``module.NAME=VALUE`` settings applied to zoo's modules (VALUE in JSON); returns them as set."""
+    import importlib
+
+    applied = {}
+    for assignment in assignments:
+        name, value = assignment.split("=", 1)
+        module_name, attr = name.rsplit(".", 1)
+        module = importlib.import_module(f"zoo.{module_name}")
+        if not hasattr(module, attr):
+            raise SystemExit(f"--set {name}: zoo.{module_name} has no {attr}")
+        setattr(module, attr, json.loads(value))
+        applied[name] = json.loads(value)
+    return applied
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu", help="folder for gpu.json, gpu.md, gpu.png")
@@ -221,16 +237,20 @@ def main(argv=None) -> int:
     p.add_argument("--compare-switch", default=None, metavar="MODULE.NAME",
                    help="also time each decode batch with a boolean zoo module switch flipped, in the same process, "
                         "e.g. fused_ops.ADVANCE_KERNEL (only switches read at every step, not captured in graphs)")
+    p.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
+                   help="zoo module switches to set before the engine starts (VALUE in JSON), e.g. "
+                        "fused_ops.MLP_PREFETCH_BYTES=25165824: an A/B of switches that graphs capture")
     args = p.parse_args(argv)
     from zoo import triton_attention
 
+    switches = set_switches(args.set)
     if args.blocks_per_iter:
         triton_attention.BLOCKS_PER_ITER = args.blocks_per_iter
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
               "layers": args.layers, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "decode_kernel_blocks_per_iter": triton_attention.BLOCKS_PER_ITER}
+              "decode_kernel_blocks_per_iter": triton_attention.BLOCKS_PER_ITER, "switches_set": switches}
     from zoo import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:

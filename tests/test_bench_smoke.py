@@ -116,3 +116,24 @@ def test_the_profiles_current_variant_is_the_runtimes_defaults():
         for module, name in switches:
             setattr(module, name, defaults[(module.__name__, name)])
     assert applied == defaults
+
+
+def test_gpu_benchmark_sets_named_switches_and_refuses_unknown_ones():
+    # bench/gpu.py --set: an A/B of switches that CUDA graphs capture, which --compare-switch cannot flip mid-run.
+    import pytest
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from zoo import fused_ops
+
+    default = fused_ops.MLP_PREFETCH_BYTES
+    try:
+        assert gpu.set_switches(["fused_ops.MLP_PREFETCH_BYTES=1024"]) == {"fused_ops.MLP_PREFETCH_BYTES": 1024}
+        assert fused_ops.MLP_PREFETCH_BYTES == 1024
+    finally:
+        fused_ops.MLP_PREFETCH_BYTES = default
+    with pytest.raises(SystemExit, match="has no NO_SUCH_SWITCH"):
+        gpu.set_switches(["fused_ops.NO_SUCH_SWITCH=1"])
