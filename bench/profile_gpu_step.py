@@ -44,7 +44,7 @@ from gpu import write_checkpoint  # noqa: E402
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
             one_row={}, weights_first=False, cached_first=False, mlp_prefetch_mb=0, mlp_prefetch_point="late",
-            evict_first=False)
+            down_prefetch_mb=0, evict_first=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -89,12 +89,14 @@ VARIANTS = {
                              one_row=DEEP_ROWS),
 }
 # Round 13: each layer's q/k/v kernel asks L2 for the first MB of its gate/up weights (fused_ops.MLP_PREFETCH_BYTES)
-# after its stores ("late") or before its PDL wait ("early"), and the products' weights loaded with L2's evict-first
-# policy (fused_ops.WEIGHTS_EVICT_FIRST)
+# after its stores ("late") or before its PDL wait ("early"), and for the first MB of its down weights
+# (DOWN_PREFETCH_BYTES, "_down"); the products' weights loaded with L2's evict-first policy (WEIGHTS_EVICT_FIRST)
 for _mb in (8, 16, 24, 32, 40, 48):
     VARIANTS[f"prefetch{_mb}"] = dict(VARIANTS["current"], mlp_prefetch_mb=_mb)
     VARIANTS[f"prefetch{_mb}_early"] = dict(VARIANTS["current"], mlp_prefetch_mb=_mb, mlp_prefetch_point="early")
     VARIANTS[f"prefetch{_mb}_evict"] = dict(VARIANTS["current"], mlp_prefetch_mb=_mb, evict_first=True)
+    for _down in (4, 8, 16):
+        VARIANTS[f"prefetch{_mb}_down{_down}_evict"] = dict(VARIANTS[f"prefetch{_mb}_evict"], down_prefetch_mb=_down)
 VARIANTS["evict_first"] = dict(VARIANTS["current"], evict_first=True)
 TRITON_ARGMAX = None
 
@@ -116,6 +118,7 @@ def apply(variant: dict) -> None:
     triton_attention.CACHED_FIRST = variant["cached_first"]
     fused_ops.MLP_PREFETCH_BYTES = variant["mlp_prefetch_mb"] << 20
     fused_ops.MLP_PREFETCH_POINT = variant["mlp_prefetch_point"]
+    fused_ops.DOWN_PREFETCH_BYTES = variant["down_prefetch_mb"] << 20
     fused_ops.WEIGHTS_EVICT_FIRST = variant["evict_first"]
 
 

@@ -208,14 +208,16 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
     monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", (1 << 20) if prefetch else 0)
+    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", (1 << 16) if prefetch else 0)
     monkeypatch.setattr(fused_ops, "WEIGHTS_EVICT_FIRST", prefetch)
     calls = []  # the folding kernels that ran
-    prefetched = []  # (bytes per half) of each q/k/v launch's gate/up prefetch
+    prefetched = []  # (gate/up bytes per half, down bytes) of each q/k/v launch's prefetch
     for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
             calls.append(_name)
             if _name == "qkv_rope_and_write_cache":
-                prefetched.append(fused_ops._prefetch_ahead(args[10], args[0].device)[0])
+                plan = fused_ops._prefetch_plan(args[10], args[0].device)
+                prefetched.append((plan[0], plan[2]))
             return _kernel(*args)
         monkeypatch.setattr(fused_ops, kernel_name, counted)
     folder, model = checkpoints[name]
@@ -229,22 +231,29 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     folds_ran = fold and projection_rows > 0
     assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set())
     hopper = fused_ops.launches_pdl(torch.device(DEVICE))
-    assert all(nbytes == ((1 << 19) if prefetch and hopper else 0) for nbytes in prefetched)
+    assert len(prefetched) == calls.count("qkv_rope_and_write_cache")
+    assert set(prefetched) <= {((1 << 19), (1 << 16)) if prefetch and hopper else (0, 0)}
 
 
-def test_gate_up_prefetch_takes_the_first_rows_of_each_half(monkeypatch):
+def test_mlp_prefetch_takes_the_first_rows_of_each_half_and_of_down(monkeypatch):
     """The q/k/v kernel's L2 prefetch arguments: half of MLP_PREFETCH_BYTES from the gate rows and half from the up
-    rows, in 16-byte units, no more than a half holds; off without Hopper or without a weight."""
-    weight = torch.empty(2 * 96, 40, dtype=torch.bfloat16)  # 3840 elements a half: 7680 bytes
+    rows, DOWN_PREFETCH_BYTES from the down rows, in 16-byte units, no more than each holds; off without Hopper or
+    without the weights."""
+    gate_up = torch.empty(2 * 96, 40, dtype=torch.bfloat16)  # 3840 elements a half: 7680 bytes
+    down = torch.empty(40, 96, dtype=torch.bfloat16)  # 7680 bytes
     monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 4000)
-    assert fused_ops._prefetch_ahead(weight, torch.device("cpu")) == (0, 0, "")  # the interpreter: no bulk prefetch
+    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", 1000)
+    assert fused_ops._prefetch_plan((gate_up, down), torch.device("cpu")) == (0, 0, 0, "")  # no bulk prefetch
     monkeypatch.setattr(fused_ops, "launches_pdl", lambda device: True)
-    assert fused_ops._prefetch_ahead(weight, weight.device) == (2000 // 16 * 16, 96 * 40, "late")
+    assert fused_ops._prefetch_plan((gate_up, down), gate_up.device) == (2000 // 16 * 16, 96 * 40, 992, "late")
     monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 1 << 30)
-    assert fused_ops._prefetch_ahead(weight, weight.device) == (7680, 96 * 40, "late")
-    assert fused_ops._prefetch_ahead(None, weight.device) == (0, 0, "")
+    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", 1 << 30)
+    assert fused_ops._prefetch_plan((gate_up, down), gate_up.device) == (7680, 96 * 40, 7680, "late")
+    assert fused_ops._prefetch_plan(None, gate_up.device) == (0, 0, 0, "")
+    assert fused_ops._prefetch_plan((gate_up, down.t()), gate_up.device) == (0, 0, 0, "")  # not contiguous
     monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 0)
-    assert fused_ops._prefetch_ahead(weight, weight.device) == (0, 0, "")
+    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", 0)
+    assert fused_ops._prefetch_plan((gate_up, down), gate_up.device) == (0, 0, 0, "")
 
 
 @pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])

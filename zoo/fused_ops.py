@@ -84,6 +84,9 @@ WEIGHTS_FIRST = True
 # and the norm that run between them read little memory, so DRAM would idle while they run; with the prefetch those
 # bytes arrive then and gate/up, the largest product of a layer, finds them in L2. 0 turns it off.
 MLP_PREFETCH_BYTES = 0
+# The same for the first bytes of the down product's rows, which gate/up's stream would push out of L2 unless the
+# products load their weights evict-first (WEIGHTS_EVICT_FIRST).
+DOWN_PREFETCH_BYTES = 0
 # When the q/k/v kernel issues it: "early", before its PDL wait (while the norm before it runs, beside its own first
 # weight tile), or "late", after its stores (while the attention runs).
 MLP_PREFETCH_POINT = "late"
@@ -213,15 +216,21 @@ if triton is not None:
             "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _prefetch_share(Base, nbytes, second):
-        # This program's share of ``nbytes`` from Base and of ``nbytes`` from Base + ``second`` elements, in
-        # 16-byte units: every program of the grid prefetches one slice of each.
+    def _prefetch_share(Base, nbytes):
+        # This program's share of ``nbytes`` from Base, in 16-byte units: each program of the grid prefetches a slice.
         share = tl.cdiv(tl.cdiv(nbytes, 16), tl.num_programs(0)) * 16
         start = tl.program_id(0) * share
         size = tl.minimum(share, nbytes - start)
         if size > 0:
             _bulk_prefetch_l2(Base.to(tl.pointer_type(tl.int8)) + start, size)
-            _bulk_prefetch_l2((Base + second).to(tl.pointer_type(tl.int8)) + start, size)
+
+    @triton.jit
+    def _prefetch_mlp(GateUp, gate_up_bytes, up_offset, Down, down_bytes):
+        # The first ``gate_up_bytes`` of the gate rows and of the up rows (``up_offset`` elements on), which the
+        # first gate/up programs pair, and the first ``down_bytes`` of the down product's rows.
+        _prefetch_share(GateUp, gate_up_bytes)
+        _prefetch_share(GateUp + up_offset, gate_up_bytes)
+        _prefetch_share(Down, down_bytes)
 
     @triton.jit
     def _tile_product(acc, x, w, IEEE: tl.constexpr, DOT: tl.constexpr):
@@ -315,18 +324,18 @@ if triton is not None:
                  mask=(offs_m < rows)[:, None] & (cols < half)[None, :])
 
     @triton.jit
-    def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, Ahead, ahead_bytes,
-                               ahead_second, rows, k, stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
+    def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, GateUp, gate_up_bytes,
+                               up_offset, Down, down_bytes, rows, k, stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                                WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr = ""):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
-        # PREFETCH ("early", "late" or ""): when this program asks L2 for its share of the ``ahead_bytes`` at Ahead
-        # and at Ahead + ``ahead_second`` elements (the gate/up weights after it; see MLP_PREFETCH_BYTES).
+        # PREFETCH ("early", "late" or ""): when this program asks L2 for its share of the MLP's first weight bytes
+        # (MLP_PREFETCH_BYTES).
         if PREFETCH == "early":
-            _prefetch_share(Ahead, ahead_bytes, ahead_second)
+            _prefetch_mlp(GateUp, gate_up_bytes, up_offset, Down, down_bytes)
         head = tl.program_id(0) // (HALF // PAIR)
         start = (tl.program_id(0) % (HALF // PAIR)) * PAIR  # of this program's run in the head's first half
         offs_d = start + tl.arange(0, PAIR)
@@ -361,7 +370,7 @@ if triton is not None:
                 tl.store(cache_ptr, x1.to(VCache.dtype.element_ty), mask=row_ok)
                 tl.store(cache_ptr + HALF, x2.to(VCache.dtype.element_ty), mask=row_ok)
         if PREFETCH == "late":
-            _prefetch_share(Ahead, ahead_bytes, ahead_second)
+            _prefetch_mlp(GateUp, gate_up_bytes, up_offset, Down, down_bytes)
 
 
     @triton.jit
@@ -474,17 +483,23 @@ def _weight_eviction() -> str:
     return "evict_first" if WEIGHTS_EVICT_FIRST else ""
 
 
-def _prefetch_ahead(ahead: torch.Tensor | None, device: torch.device) -> tuple[int, int, str]:
-    """(bytes per half, offset of the up half in elements, PREFETCH) of the q/k/v kernel's prefetch of ``ahead``,
-    a gate/up weight ``[gate; up]``: MLP_PREFETCH_BYTES split between the first gate rows and the up rows paired with
-    them, where the device has Hopper's bulk L2 prefetch. (0, 0, "") turns it off."""
-    if ahead is None or MLP_PREFETCH_BYTES <= 0 or not launches_pdl(device) or not ahead.is_contiguous():
-        return 0, 0, ""  # launches_pdl: CUDA on sm_90 or later, which the bulk prefetch needs as well
-    half = ahead.numel() // 2
-    nbytes = min(MLP_PREFETCH_BYTES // 2, half * ahead.element_size()) // 16 * 16
-    if nbytes == 0 or ahead.data_ptr() % 16 or (half * ahead.element_size()) % 16:
-        return 0, 0, ""
-    return nbytes, half, MLP_PREFETCH_POINT
+def _prefetch_plan(mlp_weights: tuple | None, device: torch.device) -> tuple[int, int, int, str]:
+    """(gate/up bytes per half, offset of the up half in elements, down bytes, PREFETCH) of the q/k/v kernel's
+    prefetch of ``mlp_weights``, the (``[gate; up]``, down) weights the layer streams after the attention: where the
+    device has Hopper's bulk L2 prefetch, MLP_PREFETCH_BYTES split between the first gate rows and the up rows
+    paired with them, and DOWN_PREFETCH_BYTES of the down rows. (0, 0, 0, "") turns it off."""
+    off = 0, 0, 0, ""
+    if mlp_weights is None or MLP_PREFETCH_BYTES + DOWN_PREFETCH_BYTES <= 0 or not launches_pdl(device):
+        return off  # launches_pdl: CUDA on sm_90 or later, which the bulk prefetch needs as well
+    gate_up, down = mlp_weights
+    if not (gate_up.is_contiguous() and down.is_contiguous()) or gate_up.data_ptr() % 16 or down.data_ptr() % 16:
+        return off
+    half = gate_up.numel() // 2
+    if (half * gate_up.element_size()) % 16:
+        return off
+    gate_up_bytes = min(MLP_PREFETCH_BYTES // 2, half * gate_up.element_size()) // 16 * 16
+    down_bytes = min(DOWN_PREFETCH_BYTES, down.numel() * down.element_size()) // 16 * 16
+    return gate_up_bytes, half, down_bytes, MLP_PREFETCH_POINT
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
@@ -560,10 +575,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
-                             num_heads: int, num_kv_heads: int, ahead: torch.Tensor | None = None) -> torch.Tensor:
+                             num_heads: int, num_kv_heads: int, mlp_weights: tuple | None = None) -> torch.Tensor:
     """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch.
     ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two half; cos, sin: ``[T, head_dim]`` or
-    None (no rotary); ``ahead``: the gate/up weight the layer streams next, for L2 to fetch ahead
+    None (no rotary); ``mlp_weights``: the (gate/up, down) weights the layer streams next, for L2 to fetch ahead
     (MLP_PREFETCH_BYTES). Returns q ``[T, heads, head_dim]``."""
     tokens = x.shape[0]
     head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
@@ -573,10 +588,12 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     has_rope = cos is not None
     options = _paired_launch(x, weight, bias, half)
-    ahead_bytes, ahead_second, prefetch = _prefetch_ahead(ahead, x.device)
+    gate_up_bytes, up_offset, down_bytes, prefetch = _prefetch_plan(mlp_weights, x.device)
+    gate_up, down = mlp_weights if prefetch else (weight, weight)
     _qkv_rope_cache_kernel[((num_heads + 2 * num_kv_heads) * half // options["PAIR"],)](
         x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
-        flat_k, flat_v, slot_mapping, ahead if prefetch else weight, ahead_bytes, ahead_second, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
+        flat_k, flat_v, slot_mapping, gate_up, gate_up_bytes, up_offset, down, down_bytes,
+        tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
         cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options, PREFETCH=prefetch,
         **EXACT_ROUNDING)

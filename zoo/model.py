@@ -437,9 +437,9 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, hidden, rope, ahead: torch.Tensor | None = None):
-        """``rope``: (rotary module, its tables for this step), or None without rotary positions. ``ahead``: the
-        weight the layer streams after the attention, which the fused q/k/v kernel may ask L2 to fetch early."""
+    def forward(self, hidden, rope, mlp_weights: tuple | None = None):
+        """``rope``: (rotary module, its tables for this step), or None without rotary positions. ``mlp_weights``:
+        the weights the layer streams after the attention, which the fused q/k/v kernel may ask L2 to fetch early."""
         meta = get_forward_context().attention
         tokens = hidden.shape[0]
         rotary, tables = rope if rope is not None else (None, None)
@@ -451,7 +451,7 @@ class Attention(nn.Module):
         if folds:
             q = fused_ops.qkv_rope_and_write_cache(
                 hidden, joint.weight, joint.bias, cos, sin, self.kv_cache[0], self.kv_cache[1], meta.slot_mapping,
-                self.num_heads, self.num_kv_heads, ahead)
+                self.num_heads, self.num_kv_heads, mlp_weights)
         else:
             if self.qkv_proj is not None:
                 q, k, v = self.qkv_proj(hidden)
@@ -491,11 +491,13 @@ class MLP(nn.Module):
         if self.gate_proj is not None:
             self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
 
-    def first_weight(self) -> torch.Tensor | None:
-        """The weight the fused path streams first (gate/up), for the attention before to prefetch; else None."""
-        if self.gate_up_proj is not None and self.fused and not self.gate_up_proj.wrapped:
-            return self.gate_up_proj.joint.weight
-        return None
+    def streamed_weights(self) -> tuple | None:
+        """(gate/up, down): the weights the fused path streams in that order, for the attention before to prefetch;
+        None where it does not run or an adapter wraps them."""
+        down = base_linear(self.down_proj)
+        if self.gate_up_proj is None or not self.fused or self.gate_up_proj.wrapped or down is not self.down_proj:
+            return None
+        return self.gate_up_proj.joint.weight, self.down_proj.weight
 
     def forward(self, x):
         if self.gate_up_proj is not None and self.fused and self.act is F.silu:
@@ -533,7 +535,7 @@ class DecoderLayer(nn.Module):
         """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
         normed, hidden = add_norm(self.input_layernorm, hidden, residual)
         residual = self._residual(normed, hidden)
-        attended = summed(self.parallel, self.self_attn(normed, rope, self.mlp.first_weight()))
+        attended = summed(self.parallel, self.self_attn(normed, rope, self.mlp.streamed_weights()))
         normed, hidden = add_norm(self.post_attention_layernorm, attended, residual)
         return summed(self.parallel, self.mlp(normed)), self._residual(normed, hidden)
 
