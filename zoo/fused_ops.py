@@ -325,7 +325,8 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, GateUp, gate_up_bytes,
-                               up_offset, Down, down_bytes, rows, k, stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
+                               up_offset, Down, down_bytes, rows, k, stride_x, stride_w, stride_q, stride_ct,
+                               stride_cs, stride_ch,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -558,8 +559,7 @@ def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int)
     pair = min(block_n // 2, pair_limit)
     return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32, **row_tile(x.shape[0], 2 * pair),
                 PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
-                EVICT=_weight_eviction(),
-                **pdl_options(x.device))
+                EVICT=_weight_eviction(), **pdl_options(x.device))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
