@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_kernel import replay_ms  # noqa: E402
-from gpu import write_checkpoint  # noqa: E402
+from gpu import SHAPE, write_checkpoint  # noqa: E402
 
 # The switches of issue 15's changes: the decode kernel launches lanes that loop over splits instead of a
 # program per possible split (lanes); the LM head's weight-streaming kernel (gemv_rows); whole prompts without
@@ -152,7 +152,10 @@ def main() -> int:
 
     kept = []
     with tempfile.TemporaryDirectory() as tmp:
-        write_checkpoint(Path(tmp), args.layers)
+        weight_bytes = write_checkpoint(Path(tmp), args.layers)
+        if args.ab_rounds:
+            check_engines_fit(p, len(args.variants) * len(args.num_kv_blocks), weight_bytes,
+                              max(args.num_kv_blocks), args.layers)
         for name, blocks in [(n, b) for n in args.variants for b in args.num_kv_blocks]:
             apply(VARIANTS[name])
             llm = LLM(tmp, dtype="bfloat16", max_num_seqs=max(64, *args.batch), max_model_len=2048,
@@ -181,6 +184,29 @@ def main() -> int:
         (out / "profile.json").write_text(json.dumps(report, indent=1))
         (out / "profile.txt").write_text("\n".join(lines) + "\n")
     return 0
+
+
+STEP_PEAK_BYTES = 4 << 30  # an engine's own step buffers and graphs, above its weights and cache (3.2 GiB measured)
+
+
+def kv_block_bytes(layers: int, block_size: int = 16) -> int:
+    """One block of the benchmark shape's bf16 KV cache: keys and values of every layer."""
+    head_dim = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    return layers * 2 * block_size * SHAPE["num_key_value_heads"] * head_dim * 2
+
+
+def check_engines_fit(parser, engines: int, weight_bytes: int, kv_blocks: int, layers: int,
+                      free_bytes: int | None = None) -> None:
+    """--ab-rounds keeps every engine alive: refuse at once, naming the cache size that fits, where their weights,
+    caches and step buffers would not fit the GPU's free memory (round 13's nine variants of 16,384 blocks ran an
+    H100 out of memory after 46 s)."""
+    free = torch.cuda.mem_get_info()[0] if free_bytes is None else free_bytes
+    per_engine = weight_bytes + STEP_PEAK_BYTES + kv_blocks * kv_block_bytes(layers)
+    if engines * per_engine > 0.95 * free:
+        fits = int((0.95 * free / engines - weight_bytes - STEP_PEAK_BYTES) // kv_block_bytes(layers))
+        parser.error(f"{engines} engines of {per_engine / 2**30:.1f} GiB each do not fit the GPU's "
+                     f"{free / 2**30:.1f} GiB free; --num-kv-blocks {max(fits, 0)} or fewer would"
+                     + ("" if fits > 0 else " not fit either: fewer variants"))
 
 
 def graph_time_ms(llm, batch: int, replays: int = 20) -> float:

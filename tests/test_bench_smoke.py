@@ -138,3 +138,25 @@ def test_gpu_benchmark_sets_named_switches_and_refuses_unknown_ones():
         fused_ops.MLP_PREFETCH_BYTES = default
     with pytest.raises(SystemExit, match="has no NO_SUCH_SWITCH"):
         gpu.set_switches(["fused_ops.NO_SUCH_SWITCH=1"])
+
+
+def test_the_profiles_interleaved_engines_are_refused_where_they_cannot_fit():
+    # Round 13's A/B of nine variants with 16,384 cache blocks each ran an H100 out of memory 46 s in; the check
+    # refuses at once and names the cache size that fits.
+    import argparse
+
+    import pytest
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import profile_gpu_step
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert profile_gpu_step.kv_block_bytes(16) == 512 * 1024  # 16 layers x K,V x 16 tokens x 8 heads x 64 x bf16
+    parser = argparse.ArgumentParser()
+    gib = 1 << 30
+    weights = int(2.47e9)
+    profile_gpu_step.check_engines_fit(parser, 9, weights, 2048, 16, free_bytes=78 * gib)  # fits: no error
+    with pytest.raises(SystemExit):
+        profile_gpu_step.check_engines_fit(parser, 9, weights, 16384, 16, free_bytes=78 * gib)
+    profile_gpu_step.check_engines_fit(parser, 9, weights, 16384, 16, free_bytes=139 * gib)  # an H200 holds them
