@@ -82,7 +82,10 @@ WEIGHTS_FIRST = True
 # Bytes of each layer's gate/up weights that its q/k/v kernel asks L2 to fetch ahead, with Hopper's bulk prefetch
 # (half from the first gate rows, half from the up rows paired with them): the attention, its merge, the o product
 # and the norm that run between them read little memory, so DRAM would idle while they run; with the prefetch those
-# bytes arrive then and gate/up, the largest product of a layer, finds them in L2. 0 turns it off.
+# bytes would arrive then, and gate/up, the largest product of a layer, find them in L2. 0 turns it off. Off: on an
+# H100 a batch-1 decode graph replayed at 0.999x with 24 MB and evict-first weights, 0.971x with 32 MB and 16 MB of
+# the down rows (bench/results/gpu/round13/profile_prefetch_h100.txt), and bench/gpu.py gave 875 against 890 tok/s
+# at batch 1 with 24 MB (gpu_prefetch_ab_h100.json). Not yet measured on the H200.
 MLP_PREFETCH_BYTES = 0
 # The same for the first bytes of the down product's rows, which gate/up's stream would push out of L2 unless the
 # products load their weights evict-first (WEIGHTS_EVICT_FIRST).
