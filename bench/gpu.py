@@ -179,13 +179,21 @@ def offline_requests(vocab, n=256, seed=0):
     return [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
 
 
-def compare_switch(name: str, run, result: dict, tokens) -> dict:
-    """``run()`` again with the zoo module switch ``name`` (``module.NAME``) flipped, then the run before again with
-    it as it was, so that drift over the two falls on both: the two timings with it as it was, and the flipped one."""
+def switch_owner(name: str):
+    """(zoo module, attribute) of a switch named ``module.NAME``; exits naming it where the module lacks it."""
     import importlib
 
     module_name, attr = name.rsplit(".", 1)
     module = importlib.import_module(f"zoo.{module_name}")
+    if not hasattr(module, attr):
+        raise SystemExit(f"{name}: zoo.{module_name} has no {attr}")
+    return module, attr
+
+
+def compare_switch(name: str, run, result: dict, tokens) -> dict:
+    """``run()`` again with the zoo module switch ``name`` (``module.NAME``) flipped, then the run before again with
+    it as it was, so that drift over the two falls on both: the two timings with it as it was, and the flipped one."""
+    module, attr = switch_owner(name)
     value = getattr(module, attr)
     setattr(module, attr, not value)
     try:
@@ -202,17 +210,12 @@ def compare_switch(name: str, run, result: dict, tokens) -> dict:
 
 def set_switches(assignments: list[str]) -> dict:
     """``module.NAME=VALUE`` settings applied to zoo's modules (VALUE in JSON); returns them as set."""
-    import importlib
-
     applied = {}
     for assignment in assignments:
         name, value = assignment.split("=", 1)
-        module_name, attr = name.rsplit(".", 1)
-        module = importlib.import_module(f"zoo.{module_name}")
-        if not hasattr(module, attr):
-            raise SystemExit(f"--set {name}: zoo.{module_name} has no {attr}")
-        setattr(module, attr, json.loads(value))
+        module, attr = switch_owner(name)
         applied[name] = json.loads(value)
+        setattr(module, attr, applied[name])
     return applied
 
 
