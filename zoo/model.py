@@ -494,8 +494,8 @@ class MLP(nn.Module):
     def streamed_weights(self) -> tuple | None:
         """(gate/up, down): the weights the fused path streams in that order, for the attention before to prefetch;
         None where it does not run or an adapter wraps them."""
-        down = base_linear(self.down_proj)
-        if self.gate_up_proj is None or not self.fused or self.gate_up_proj.wrapped or down is not self.down_proj:
+        if (self.gate_up_proj is None or not self.fused or self.gate_up_proj.wrapped
+                or type(self.down_proj) is not nn.Linear):
             return None
         return self.gate_up_proj.joint.weight, self.down_proj.weight
 
