@@ -44,7 +44,7 @@ from gpu import SHAPE, write_checkpoint  # noqa: E402
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
             one_row={}, weights_first=False, cached_first=False, mlp_prefetch_mb=0, mlp_prefetch_point="late",
-            down_prefetch_mb=0, evict_first=False)
+            down_prefetch_mb=0, evict_first=False, norm_fold=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -98,7 +98,40 @@ for _mb in (8, 16, 24, 32, 40, 48):
     for _down in (4, 8, 16):
         VARIANTS[f"prefetch{_mb}_down{_down}_evict"] = dict(VARIANTS[f"prefetch{_mb}_evict"], down_prefetch_mb=_down)
 VARIANTS["evict_first"] = dict(VARIANTS["current"], evict_first=True)
+# Round 14: the RMSNorm after the o and down products, with its residual add, in their kernels
+# (fused_ops.NORM_INTO_PROJECTIONS): the last program to finish normalises the rows
+VARIANTS["norm_fold"] = dict(VARIANTS["current"], norm_fold=True)
+VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
+# Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
+# the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
+# residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
+# (no_attention)
+for _part in ("norms", "merge", "attention"):
+    VARIANTS[f"no_{_part}"] = dict(VARIANTS["current"], ablate=_part)
 TRITON_ARGMAX = None
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel that an ablation leaves out: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+ABLATED = {}  # (module, name) -> the original, restored by apply() for the next variant
+
+
+def ablate(part: str | None) -> None:
+    from zoo import model, triton_attention, fused_ops
+
+    for (module, name), original in ABLATED.items():
+        setattr(module, name, original)
+    patches = {"norms": [(fused_ops, "add_rms_norm", lambda x, residual, weight, eps: (x, x))],
+               "merge": [(triton_attention, "_merge_splits_kernel", _NoLaunch())],
+               "attention": [(model, "paged_attention", lambda q, kv_cache, meta, scale: q)]}.get(part, [])
+    for module, name, stand_in in patches:
+        ABLATED.setdefault((module, name), getattr(module, name))
+        setattr(module, name, stand_in)
 
 
 def apply(variant: dict) -> None:
@@ -120,6 +153,8 @@ def apply(variant: dict) -> None:
     fused_ops.MLP_PREFETCH_POINT = variant["mlp_prefetch_point"]
     fused_ops.DOWN_PREFETCH_BYTES = variant["down_prefetch_mb"] << 20
     fused_ops.WEIGHTS_EVICT_FIRST = variant["evict_first"]
+    fused_ops.NORM_INTO_PROJECTIONS = variant["norm_fold"]
+    ablate(variant.get("ablate"))
 
 
 def main() -> int:

@@ -58,6 +58,10 @@ FOLD_INTO_PROJECTIONS = True
 # and 43807 at batch 64, same tokens (`bench/gpu.py --compare-switch fused_ops.ADVANCE_KERNEL`,
 # bench/results/gpu/round12/gpu_compare_advance.md).
 ADVANCE_KERNEL = True
+# Whether the RMSNorm after the o and down products, with its residual add, runs in their kernel
+# (``projection_add_rms_norm``) wherever ``projection`` would stream their weights: 32 launches fewer per decode step
+# of a 16-layer model. The add runs in each program's epilogue; the program that finishes last normalises the rows.
+NORM_INTO_PROJECTIONS = False
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -274,10 +278,14 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
+                     Residual, NormWeight, Normed, Arrivals, stride_r, stride_n, eps,
                      HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr):
+                     WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr, ADD_NORM: tl.constexpr = False,
+                     NORM_BLOCK: tl.constexpr = 1):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
+        # ADD_NORM: Out is the product plus Residual, and the program that stores its last columns writes the
+        # RMSNorm of Out's rows to Normed (``projection_add_rms_norm``).
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
@@ -289,7 +297,35 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
-        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        if ADD_NORM:  # the residual add rounds to the model dtype, as in eager PyTorch and _add_rms_norm_kernel
+            residual = tl.load(Residual + offs_m[:, None] * stride_r + cols[None, :], mask=tile_ok, other=0.0)
+            out = (out.to(tl.float32) + residual.to(tl.float32)).to(Out.dtype.element_ty)
+        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=tile_ok)
+        if ADD_NORM:
+            _rms_norm_by_last_program(Out, NormWeight, Normed, Arrivals, rows, n, stride_o, stride_n, eps, NORM_BLOCK)
+
+    @triton.jit
+    def _rms_norm_by_last_program(Summed, Weight, Normed, Arrivals, rows, n, stride_s, stride_n, eps,
+                                  BLOCK: tl.constexpr):
+        # Each program counts itself in once its columns of Summed are stored; the last to arrive has every column
+        # and normalises the rows as _add_rms_norm_kernel does, then sets the count back to 0 for the next launch.
+        # The barrier puts all of the program's stores before its count, which releases them; the last program's
+        # count acquires them all, and its loads skip L1 (.cg), which other SMs' stores do not update.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Arrivals, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            cols = tl.arange(0, BLOCK)
+            valid = cols < n
+            weight = tl.load(Weight + cols, mask=valid, other=0.0).to(tl.float32)
+            for row in range(rows):
+                x = tl.load(Summed + row * stride_s + cols, mask=valid, other=0.0, cache_modifier=".cg")
+                xf = x.to(tl.float32)
+                variance = tl.sum(xf * xf, 0) / n
+                normed = (xf * tl.rsqrt(variance + eps)).to(Normed.dtype.element_ty)
+                tl.store(Normed + row * stride_n + cols, (normed.to(tl.float32) * weight).to(Normed.dtype.element_ty),
+                         mask=valid)
+            tl.atomic_xchg(Arrivals, 0)
 
     @triton.jit
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
@@ -469,18 +505,29 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype, add_norm: tuple | None = None) -> torch.Tensor:
     rows = x.shape[0]
     n, k = weight.shape
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    residual, norm_weight, normed, eps = add_norm or (out, weight, out, 0.0)
     block_n, block_k, stages, warps = gemv_config(n, rows, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
+        out.stride(0), residual, norm_weight, normed, _arrivals(x.device) if add_norm else out, residual.stride(0),
+        normed.stride(0), eps, HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
         IEEE=weight.dtype == torch.float32, **row_tile(rows, block_n), BLOCK_N=block_n, BLOCK_K=block_k,
         num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, EVICT=_weight_eviction(),
+        ADD_NORM=add_norm is not None, NORM_BLOCK=triton.next_power_of_2(n) if add_norm else 1,
         **pdl_options(x.device))
     return out
+
+
+@functools.cache
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """The count of ``projection_add_rms_norm``'s programs that have stored their columns, 0 between launches. One
+    per device serves every launch, graphs included: launches on a stream run in its order, and under PDL a
+    kernel's programs touch it only after waiting for the kernel before, which set it back to 0 as its last act."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _weight_eviction() -> str:
@@ -548,6 +595,26 @@ def projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS):
         return _gemv(x, weight, bias, x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def projection_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    """``add_rms_norm(projection(x, weight, bias), residual, norm_weight, eps)``, one launch where the weights
+    stream (``folds_norm_into_projection``): the add in the product's epilogue, and the norm by the program that
+    stores the last columns. Returns (normed, summed)."""
+    if not (folds_norm_into_projection(residual, weight) and gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS)):
+        return add_rms_norm(projection(x, weight, bias), residual, norm_weight, eps)
+    normed = torch.empty_like(residual)
+    summed = _gemv(x, weight, bias, x.dtype, add_norm=(residual, norm_weight, normed, eps))
+    return normed, summed
+
+
+def folds_norm_into_projection(residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``projection_add_rms_norm`` of a product with ``weight`` that adds ``residual`` runs as one launch
+    (``NORM_INTO_PROJECTIONS`` on, and ``projection`` streaming the weights at the residual's row count): decided
+    before the product's input exists, from the residual, which has its rows and dtype."""
+    return (NORM_INTO_PROJECTIONS and gemv_fits(residual, weight, PROJECTION_GEMV_MAX_ROWS)
+            and residual.shape[1] == weight.shape[0])
 
 
 def folds_into_projection(x: torch.Tensor, weight: torch.Tensor) -> bool:

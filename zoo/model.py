@@ -440,6 +440,14 @@ class Attention(nn.Module):
     def forward(self, hidden, rope, mlp_weights: tuple | None = None):
         """``rope``: (rotary module, its tables for this step), or None without rotary positions. ``mlp_weights``:
         the weights the layer streams after the attention, which the fused q/k/v kernel may ask L2 to fetch early."""
+        return project(self.o_proj, self.unprojected(hidden, rope, mlp_weights), self.fused_projections)
+
+    def output_projection(self) -> tuple[nn.Module, bool]:
+        """(the last product, o, and whether it runs on ``fused_ops.projection``)."""
+        return self.o_proj, self.fused_projections
+
+    def unprojected(self, hidden, rope, mlp_weights: tuple | None = None):
+        """``forward`` up to the o product: the heads' outputs, ``[tokens, heads * head_dim]``."""
         meta = get_forward_context().attention
         tokens = hidden.shape[0]
         rotary, tables = rope if rope is not None else (None, None)
@@ -463,8 +471,7 @@ class Attention(nn.Module):
             if isinstance(meta, DenseCausal):
                 if rotary is not None:
                     q, k = rotary(q, k, tables)
-                attended = meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
-                return project(self.o_proj, attended, self.fused_projections)
+                return meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
             if fused_rope:
                 q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
                                                    meta.slot_mapping)
@@ -472,8 +479,7 @@ class Attention(nn.Module):
                 if rotary is not None:
                     q, k = rotary(q, k, tables)
                 write_cache(k, v, self.kv_cache, meta.slot_mapping)
-        out = paged_attention(q, self.kv_cache, meta, self.scale)
-        return project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
+        return paged_attention(q, self.kv_cache, meta, self.scale).reshape(tokens, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -499,20 +505,29 @@ class MLP(nn.Module):
             return None
         return self.gate_up_proj.joint.weight, self.down_proj.weight
 
+    def streams_down(self) -> bool:
+        return self.gate_up_proj is not None and self.fused and self.act is F.silu  # the fused SiLU path
+
     def forward(self, x):
-        if self.gate_up_proj is not None and self.fused and self.act is F.silu:
+        return project(self.down_proj, self.unprojected(x), self.streams_down())
+
+    def output_projection(self) -> tuple[nn.Module, bool]:
+        """(the last product, down, and whether it runs on ``fused_ops.projection``)."""
+        return self.down_proj, self.streams_down()
+
+    def unprojected(self, x):
+        """``forward`` up to the down product: the activated up product (times the gate's where gated)."""
+        if self.streams_down():
             joint = self.gate_up_proj.joint
             if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight):
-                activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
-            else:
-                activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
-            return project(self.down_proj, activated, True)
+                return fused_ops.gate_up_silu(x, joint.weight, joint.bias)
+            return fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x)
-            return self.down_proj(self.act(gate) * up)
+            return self.act(gate) * up
         if self.gate_proj is not None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self.act(self.up_proj(x)))
+            return self.act(self.gate_proj(x)) * self.up_proj(x)
+        return self.act(self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -531,13 +546,24 @@ class DecoderLayer(nn.Module):
     def _residual(self, normed, summed):
         return normed * self.residual_scale if self.residual_of_normed else summed
 
-    def forward(self, hidden, residual, rope):
-        """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
-        normed, hidden = add_norm(self.input_layernorm, hidden, residual)
-        residual = self._residual(normed, hidden)
-        attended = summed(self.parallel, self.self_attn(normed, rope, self.mlp.streamed_weights()))
-        normed, hidden = add_norm(self.post_attention_layernorm, attended, residual)
-        return summed(self.parallel, self.mlp(normed)), self._residual(normed, hidden)
+    def forward(self, normed, hidden, rope, next_norm: nn.Module):
+        """The layer on its input, normalised (``normed``) and not (``hidden``). Returns ``next_norm``'s
+        ``(normed, summed)`` of the layer's output: each sublayer ends with the norm of what follows, so that where
+        they can, its last product, the residual add and that norm run as one kernel (``sublayer_add_norm``)."""
+        normed, hidden = self.sublayer_add_norm(self.self_attn, (normed, rope, self.mlp.streamed_weights()),
+                                                self.post_attention_layernorm, self._residual(normed, hidden))
+        return self.sublayer_add_norm(self.mlp, (normed,), next_norm, self._residual(normed, hidden))
+
+    def sublayer_add_norm(self, sublayer: nn.Module, args: tuple, norm: nn.Module, residual):
+        """``add_norm(norm, sublayer(*args), residual)``, the sublayer's output made whole over ranks. Where its
+        last product is a plain Linear on the weight-streaming kernel and the norm a fused RMSNorm, the sublayer
+        runs up to that product and ``fused_ops.projection_add_rms_norm`` does the rest in one launch."""
+        projection, fused = sublayer.output_projection()
+        if (fused and self.parallel is None and type(projection) is nn.Linear and isinstance(norm, RMSNorm)
+                and norm.fused and fused_ops.folds_norm_into_projection(residual, projection.weight)):
+            return fused_ops.projection_add_rms_norm(sublayer.unprojected(*args), projection.weight, projection.bias,
+                                                     residual, norm.weight, norm.eps)
+        return add_norm(norm, summed(self.parallel, sublayer(*args)), residual)
 
 
 class Backbone(nn.Module):
@@ -574,12 +600,14 @@ class DecoderModel(nn.Module):
             self.hooks.zoo_embed_modify(hidden=hidden, context=context, model=self)
         rotary = self.model.rotary
         rope = (rotary, rotary.prepare(positions, hidden.dtype)) if rotary is not None else None
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, rope)
+        layers = self.model.layers
+        normed, hidden = add_norm(layers[0].input_layernorm, hidden, None)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            normed, hidden = layer(normed, hidden, rope, next_norm)
             if i in self.captured_layers:
-                context.layer_outputs[i] = hidden + residual
-        return add_norm(self.model.norm, hidden, residual)[0]
+                context.layer_outputs[i] = hidden  # the layer's output plus its residual
+        return normed
 
     def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Ids past the vocabulary are rows of a per-request table (prompt tuning's virtual tokens, TensorRT-LLM's
