@@ -46,7 +46,7 @@ def signature(kernel, pointers: dict[str, str]) -> dict[str, str]:
 
 
 PDL = dict(PDL=True)
-PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST, EVICT="")  # the weight-streaming kernels
+PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST)  # the weight-streaming kernels
 # (name, kernel, pointers not bf16 ("*": all of them), constexprs, launch options)
 CASES = [
     ("add_rms_norm", fused_ops._add_rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=2048, **PDL), {}),
@@ -58,12 +58,6 @@ CASES = [
      dict(HAS_BIAS=True, ROUND_TO=tl.bfloat16, IEEE=False, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **PRODUCT), {}),
     ("gemv narrow, one row", fused_ops._gemv_kernel, {},
      dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, **PRODUCT), {}),
-    ("gemv one row, with the residual add and the norm after it", fused_ops._gemv_kernel, {"Arrivals": "*i32"},
-     dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048,
-          ADD_NORM=True, NORM_BLOCK=2048, **PRODUCT), {}),
-    ("gemv four rows, with the residual add and the norm after it", fused_ops._gemv_kernel, {"Arrivals": "*i32"},
-     dict(HAS_BIAS=True, ROUND_TO=tl.bfloat16, IEEE=False, DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512,
-          ADD_NORM=True, NORM_BLOCK=2048, **PRODUCT), {}),
     ("gemv float32", fused_ops._gemv_kernel, {"X": "*fp32", "W": "*fp32", "Bias": "*fp32", "Out": "*fp32"},
      dict(HAS_BIAS=False, ROUND_TO=tl.float32, IEEE=True, DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, **PRODUCT), {}),
     ("gate_up_silu", fused_ops._gate_up_silu_kernel, {},
@@ -76,14 +70,6 @@ CASES = [
     ("qkv_rope_cache, narrow", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=True, IEEE=False, DOT=False,
           BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), fused_ops.EXACT_ROUNDING),
-    ("qkv_rope_cache, gate/up prefetched after its stores, weights evicted first", fused_ops._qkv_rope_cache_kernel,
-     {"SlotMapping": "*i64"},
-     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=False,
-          BLOCK_M=1, PAIR=4, BLOCK_K=2048, **dict(PRODUCT, EVICT="evict_first"), PREFETCH="late"),
-     fused_ops.EXACT_ROUNDING),
-    ("qkv_rope_cache, gate/up prefetched before its wait", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
-     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=False,
-          BLOCK_M=1, PAIR=4, BLOCK_K=2048, **PRODUCT, PREFETCH="early"), fused_ops.EXACT_ROUNDING),
     ("argmax chunks", fused_ops._argmax_chunk_kernel, {"Logits": "*fp32", "Values": "*fp32", "Indices": "*i32"},
      dict(BLOCK=fused_ops.ARGMAX_BLOCK, **PDL), {}),
     ("argmax rows", fused_ops._argmax_rows_kernel, {"Values": "*fp32", "Indices": "*i32", "Out": "*i64"},
@@ -130,10 +116,8 @@ def main() -> int:
         # CACHED_FIRST, the decode kernel's first tile of cached keys and values
         before_wait = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
         early = sum(before_wait.count(op) for op in ("ld.global", "cp.async"))
-        prefetches = ptx.count("cp.async.bulk.prefetch.L2")
         print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions, "
-              f"{early} global loads before the PDL wait"
-              + (f", {prefetches} bulk L2 prefetches" if prefetches else ""), flush=True)
+              f"{early} global loads before the PDL wait", flush=True)
     if failed:
         print(f"{len(failed)} of {len(CASES)} kernels failed to compile for sm_90: {', '.join(failed)}")
         return 1

@@ -242,7 +242,7 @@ def main(argv=None) -> int:
                         "e.g. fused_ops.ADVANCE_KERNEL (only switches read at every step, not captured in graphs)")
     p.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
                    help="zoo module switches to set before the engine starts (VALUE in JSON), e.g. "
-                        "fused_ops.MLP_PREFETCH_BYTES=25165824: an A/B of switches that graphs capture")
+                        "triton_attention.CACHED_FIRST=false: an A/B of switches that graphs capture")
     args = p.parse_args(argv)
     from zoo import triton_attention
 

@@ -60,8 +60,8 @@ class EagleDraft(nn.Module):
         return self.layer.self_attn
 
     def forward(self, embeds, features, rope):
-        fused = self.fc(torch.cat([embeds, features], dim=-1))
-        return self.layer(fused, fused, rope, next_norm=self.layer.input_layernorm)[1]  # the output, no norm
+        mlp_out, residual = self.layer(self.fc(torch.cat([embeds, features], dim=-1)), None, rope)
+        return mlp_out + residual
 
     def top_k(self, outputs, k: int, target_logits):
         """(target token ids, log-probabilities) of the ``k`` likeliest next tokens after each output;

@@ -105,9 +105,7 @@ def test_the_profiles_current_variant_is_the_runtimes_defaults():
 
     switches = [(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
                                                "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
-                                               "WEIGHTS_FIRST", "MLP_PREFETCH_BYTES", "MLP_PREFETCH_POINT",
-                                               "DOWN_PREFETCH_BYTES",
-                                               "WEIGHTS_EVICT_FIRST")]
+                                               "WEIGHTS_FIRST")]
     switches += [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST")]
     defaults = {(module.__name__, name): getattr(module, name) for module, name in switches}
     try:
@@ -130,12 +128,12 @@ def test_gpu_benchmark_sets_named_switches_and_refuses_unknown_ones():
         sys.path.remove(str(SCRIPT.parent))
     from zoo import fused_ops
 
-    default = fused_ops.MLP_PREFETCH_BYTES
+    default = fused_ops.PROJECTION_GEMV_MAX_ROWS
     try:
-        assert gpu.set_switches(["fused_ops.MLP_PREFETCH_BYTES=1024"]) == {"fused_ops.MLP_PREFETCH_BYTES": 1024}
-        assert fused_ops.MLP_PREFETCH_BYTES == 1024
+        assert gpu.set_switches(["fused_ops.PROJECTION_GEMV_MAX_ROWS=2"]) == {"fused_ops.PROJECTION_GEMV_MAX_ROWS": 2}
+        assert fused_ops.PROJECTION_GEMV_MAX_ROWS == 2
     finally:
-        fused_ops.MLP_PREFETCH_BYTES = default
+        fused_ops.PROJECTION_GEMV_MAX_ROWS = default
     with pytest.raises(SystemExit, match="has no NO_SUCH_SWITCH"):
         gpu.set_switches(["fused_ops.NO_SUCH_SWITCH=1"])
 

@@ -108,31 +108,6 @@ def test_linear_kernel_matches_f_linear(dtype, rows, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_projection_add_rms_norm_is_the_product_then_the_norm_kernel(dtype, rows, bias, monkeypatch):
-    """The o and down products with the residual add and the RMSNorm after them in one launch: the sum as the
-    product plus the residual, the norm as _add_rms_norm_kernel's. Twice in a row, and a wider launch after: the
-    count of programs that finished starts at 0 for each."""
-    monkeypatch.setattr(fused_ops, "NORM_INTO_PROJECTIONS", True)
-    g = torch.Generator().manual_seed(20 + rows)
-    for n in (70, 70, 200):  # 70: a partial column tile and a masked norm row; 200: more programs
-        x = torch.randn(rows, 96, generator=g).to(DEVICE, dtype)
-        weight = torch.randn(n, 96, generator=g).to(DEVICE, dtype) / 10
-        b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
-        residual = torch.randn(rows, n, generator=g).to(DEVICE, dtype)
-        norm_weight = (torch.rand(n, generator=g) + 0.5).to(DEVICE, dtype)
-        assert fused_ops.folds_norm_into_projection(residual, weight)
-        normed, summed = fused_ops.projection_add_rms_norm(x, weight, b, residual, norm_weight, 1e-6)
-        expected, expected_sum = fused_ops.add_rms_norm(fused_ops.projection(x, weight, b), residual, norm_weight, 1e-6)
-        torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
-        torch.testing.assert_close(normed, expected, **fold_tolerance(dtype))
-        assert fused_ops._arrivals(x.device).item() == 0
-    monkeypatch.setattr(fused_ops, "NORM_INTO_PROJECTIONS", False)
-    assert not fused_ops.folds_norm_into_projection(residual, weight)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("bias", [False, True])
 def test_gate_up_silu_is_the_product_then_silu_and_mul(dtype, rows, bias):
     g = torch.Generator().manual_seed(10 + rows)
     half = 1100  # not a multiple of the column tile: the last program's columns are masked
@@ -220,33 +195,20 @@ def test_no_programmatic_dependent_launch_off_hopper():
     assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
-@pytest.mark.parametrize("name,projection_rows,fold,prefetch", [
-    ("llama", 0, True, False), ("qwen2", 0, True, False), ("llama", 64, False, False), ("llama", 64, True, False),
-    ("qwen2", 64, True, False), ("llama", 64, True, True), ("llama", 64, "norms", False),
-    ("qwen2", 64, "norms", False)])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, prefetch, monkeypatch):
+@pytest.mark.parametrize("name,projection_rows,fold", [
+    ("llama", 0, True), ("qwen2", 0, True), ("llama", 64, False), ("llama", 64, True), ("qwen2", 64, True)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, monkeypatch):
     """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
     with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
     the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues; fold "norms" also runs each RMSNorm after the o and down products, and its residual add,
-    in those products' kernels (all but the first layer's input norm). With prefetch, the q/k/v kernel asks L2 for
-    gate/up's weights ahead (on Hopper) and the products load weights evict-first: hints to the memory system that
-    must leave every token as it was."""
+    products' epilogues."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
-    monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", bool(fold))
-    monkeypatch.setattr(fused_ops, "NORM_INTO_PROJECTIONS", fold == "norms")
+    monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
-    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", (1 << 20) if prefetch else 0)
-    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", (1 << 16) if prefetch else 0)
-    monkeypatch.setattr(fused_ops, "WEIGHTS_EVICT_FIRST", prefetch)
     calls = []  # the folding kernels that ran
-    prefetched = []  # (gate/up bytes per half, down bytes) of each q/k/v launch's prefetch
-    for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu", "projection_add_rms_norm"):
+    for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
             calls.append(_name)
-            if _name == "qkv_rope_and_write_cache":
-                plan = fused_ops._prefetch_plan(args[10], args[0].device)
-                prefetched.append((plan[0], plan[2]))
             return _kernel(*args)
         monkeypatch.setattr(fused_ops, kernel_name, counted)
     folder, model = checkpoints[name]
@@ -258,34 +220,7 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
         assert out.token_ids == hf_greedy(model, prompt, 6)[0]
     assert llm.engine.advanced_in_place > 0  # overlapped steps' inputs advanced by fused_ops.advance_decode_rows
     folds_ran = fold and projection_rows > 0
-    assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} | ({"projection_add_rms_norm"}
-                          if fold == "norms" else set()) if folds_ran else set())
-    # in each layer the step folds gate/up, the o and down products fold the norms after them
-    assert calls.count("projection_add_rms_norm") == (2 * calls.count("gate_up_silu") if fold == "norms" else 0)
-    hopper = fused_ops.launches_pdl(torch.device(DEVICE))
-    assert len(prefetched) == calls.count("qkv_rope_and_write_cache")
-    assert set(prefetched) <= {((1 << 19), (1 << 16)) if prefetch and hopper else (0, 0)}
-
-
-def test_mlp_prefetch_takes_the_first_rows_of_each_half_and_of_down(monkeypatch):
-    """The q/k/v kernel's L2 prefetch arguments: half of MLP_PREFETCH_BYTES from the gate rows and half from the up
-    rows, DOWN_PREFETCH_BYTES from the down rows, in 16-byte units, no more than each holds; off without Hopper or
-    without the weights."""
-    gate_up = torch.empty(2 * 96, 40, dtype=torch.bfloat16)  # 3840 elements a half: 7680 bytes
-    down = torch.empty(40, 96, dtype=torch.bfloat16)  # 7680 bytes
-    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 4000)
-    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", 1000)
-    assert fused_ops._prefetch_plan((gate_up, down), torch.device("cpu")) == (0, 0, 0, "")  # no bulk prefetch
-    monkeypatch.setattr(fused_ops, "launches_pdl", lambda device: True)
-    assert fused_ops._prefetch_plan((gate_up, down), gate_up.device) == (2000 // 16 * 16, 96 * 40, 992, "late")
-    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 1 << 30)
-    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", 1 << 30)
-    assert fused_ops._prefetch_plan((gate_up, down), gate_up.device) == (7680, 96 * 40, 7680, "late")
-    assert fused_ops._prefetch_plan(None, gate_up.device) == (0, 0, 0, "")
-    assert fused_ops._prefetch_plan((gate_up, down.t()), gate_up.device) == (0, 0, 0, "")  # not contiguous
-    monkeypatch.setattr(fused_ops, "MLP_PREFETCH_BYTES", 0)
-    monkeypatch.setattr(fused_ops, "DOWN_PREFETCH_BYTES", 0)
-    assert fused_ops._prefetch_plan((gate_up, down), gate_up.device) == (0, 0, 0, "")
+    assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set())
 
 
 @pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])

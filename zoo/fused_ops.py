@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from zoo.triton_attention import launches_pdl, pdl_options, triton
+from zoo.triton_attention import pdl_options, triton
 
 if triton is not None:
     import triton.language as tl
@@ -58,10 +58,6 @@ FOLD_INTO_PROJECTIONS = True
 # and 43807 at batch 64, same tokens (`bench/gpu.py --compare-switch fused_ops.ADVANCE_KERNEL`,
 # bench/results/gpu/round12/gpu_compare_advance.md).
 ADVANCE_KERNEL = True
-# Whether the RMSNorm after the o and down products, with its residual add, runs in their kernel
-# (``projection_add_rms_norm``) wherever ``projection`` would stream their weights: 32 launches fewer per decode step
-# of a 16-layer model. The add runs in each program's epilogue; the program that finishes last normalises the rows.
-NORM_INTO_PROJECTIONS = False
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -82,24 +78,6 @@ GEMV_ONE_ROW_CONFIGS: dict[tuple[int, int], tuple] = {(4096, 2048): (8, 2048, 3,
 # (programmatic dependent launch): weights are never written inside a step, so that tile streams while the
 # kernel before finishes, and a product after a short kernel (attention, a norm) starts with part of its bytes in.
 WEIGHTS_FIRST = True
-
-# Bytes of each layer's gate/up weights that its q/k/v kernel asks L2 to fetch ahead, with Hopper's bulk prefetch
-# (half from the first gate rows, half from the up rows paired with them): the attention, its merge, the o product
-# and the norm that run between them read little memory, so DRAM would idle while they run; with the prefetch those
-# bytes would arrive then, and gate/up, the largest product of a layer, find them in L2. 0 turns it off. Off: on an
-# H100 a batch-1 decode graph replayed at 0.999x with 24 MB and evict-first weights, 0.971x with 32 MB and 16 MB of
-# the down rows (bench/results/gpu/round13/profile_prefetch_h100.txt), and bench/gpu.py gave 875 against 890 tok/s
-# at batch 1 with 24 MB (gpu_prefetch_ab_h100.json). Not yet measured on the H200.
-MLP_PREFETCH_BYTES = 0
-# The same for the first bytes of the down product's rows, which gate/up's stream would push out of L2 unless the
-# products load their weights evict-first (WEIGHTS_EVICT_FIRST).
-DOWN_PREFETCH_BYTES = 0
-# When the q/k/v kernel issues it: "early", before its PDL wait (while the norm before it runs, beside its own first
-# weight tile), or "late", after its stores (while the attention runs).
-MLP_PREFETCH_POINT = "late"
-# Whether the weight-streaming kernels load weights with L2's evict-first policy: a step reads each weight once, and
-# the lines it streams past should not push out the ones prefetched for gate/up.
-WEIGHTS_EVICT_FIRST = False
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
@@ -214,32 +192,6 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _bulk_prefetch_l2(address, size):
-        # One thread of the program asks L2 for ``size`` bytes (a multiple of 16) from ``address`` (16-byte aligned);
-        # the copy engine fetches them while the program goes on. Hopper (sm_90) on; not in Triton's interpreter.
-        tl.inline_asm_elementwise(
-            "{ .reg .pred first; .reg .u32 thread; mov.u32 thread, %tid.x; setp.eq.u32 first, thread, 0; "
-            "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_share(Base, nbytes):
-        # This program's share of ``nbytes`` from Base, in 16-byte units: each program of the grid prefetches a slice.
-        share = tl.cdiv(tl.cdiv(nbytes, 16), tl.num_programs(0)) * 16
-        start = tl.program_id(0) * share
-        size = tl.minimum(share, nbytes - start)
-        if size > 0:
-            _bulk_prefetch_l2(Base.to(tl.pointer_type(tl.int8)) + start, size)
-
-    @triton.jit
-    def _prefetch_mlp(GateUp, gate_up_bytes, up_offset, Down, down_bytes):
-        # The first ``gate_up_bytes`` of the gate rows and of the up rows (``up_offset`` elements on), which the
-        # first gate/up programs pair, and the first ``down_bytes`` of the down product's rows.
-        _prefetch_share(GateUp, gate_up_bytes)
-        _prefetch_share(GateUp + up_offset, gate_up_bytes)
-        _prefetch_share(Down, down_bytes)
-
-    @triton.jit
     def _tile_product(acc, x, w, IEEE: tl.constexpr, DOT: tl.constexpr):
         if not DOT:  # a tile narrower than tensor cores take (see row_tile)
             return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
@@ -252,40 +204,35 @@ if triton is not None:
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
                         IEEE: tl.constexpr, DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr = ""):
+                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
         # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32. Waits for the
         # kernel before (PDL) after loading the first weight tile when WEIGHTS_FIRST: no kernel of a step writes
-        # weights, so their first bytes may stream while that kernel finishes. EVICT: the weights' L2 eviction policy.
+        # weights, so their first bytes may stream while that kernel finishes.
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < k
         w_first = W + cols[:, None] * stride_w + offs_k[None, :]
         if WEIGHTS_FIRST:
-            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             wait_for_previous_kernel(PDL)
         else:
             wait_for_previous_kernel(PDL)
-            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(X + offs_m[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, IEEE, DOT)
         for start in range(BLOCK_K, k, BLOCK_K):
             ks = start + offs_k
             k_ok = ks < k
-            w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy=EVICT)
+            w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(X + offs_m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _tile_product(acc, x, w, IEEE, DOT)
         return acc
 
     @triton.jit
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
-                     Residual, NormWeight, Normed, Arrivals, stride_r, stride_n, eps,
                      HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                     NORM_BLOCK: tl.constexpr = 1):
+                     WEIGHTS_FIRST: tl.constexpr):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
-        # ADD_NORM: Out is the product plus Residual, and the program that stores its last columns writes the
-        # RMSNorm of Out's rows to Normed (``projection_add_rms_norm``).
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
@@ -293,45 +240,16 @@ if triton is not None:
         # (Prefetching all of this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the
         # first 512 columns, 19% slower for all of them, profile_pdl_ab.txt. WEIGHTS_FIRST loads one tile.)
         acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w, IEEE, DOT, BLOCK_M, BLOCK_N,
-                              BLOCK_K, PDL, WEIGHTS_FIRST, EVICT)
+                              BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        if ADD_NORM:  # the residual add rounds to the model dtype, as in eager PyTorch and _add_rms_norm_kernel
-            residual = tl.load(Residual + offs_m[:, None] * stride_r + cols[None, :], mask=tile_ok, other=0.0)
-            out = (out.to(tl.float32) + residual.to(tl.float32)).to(Out.dtype.element_ty)
-        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=tile_ok)
-        if ADD_NORM:
-            _rms_norm_by_last_program(Out, NormWeight, Normed, Arrivals, rows, n, stride_o, stride_n, eps, NORM_BLOCK)
-
-    @triton.jit
-    def _rms_norm_by_last_program(Summed, Weight, Normed, Arrivals, rows, n, stride_s, stride_n, eps,
-                                  BLOCK: tl.constexpr):
-        # Each program counts itself in once its columns of Summed are stored; the last to arrive has every column
-        # and normalises the rows as _add_rms_norm_kernel does, then sets the count back to 0 for the next launch.
-        # The barrier puts all of the program's stores before its count, which releases them; the last program's
-        # count acquires them all, and its loads skip L1 (.cg), which other SMs' stores do not update.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Arrivals, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            cols = tl.arange(0, BLOCK)
-            valid = cols < n
-            weight = tl.load(Weight + cols, mask=valid, other=0.0).to(tl.float32)
-            for row in range(rows):
-                x = tl.load(Summed + row * stride_s + cols, mask=valid, other=0.0, cache_modifier=".cg")
-                xf = x.to(tl.float32)
-                variance = tl.sum(xf * xf, 0) / n
-                normed = (xf * tl.rsqrt(variance + eps)).to(Normed.dtype.element_ty)
-                tl.store(Normed + row * stride_n + cols, (normed.to(tl.float32) * weight).to(Normed.dtype.element_ty),
-                         mask=valid)
-            tl.atomic_xchg(Arrivals, 0)
+        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-                        EVICT: tl.constexpr):
+                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
         i = tl.arange(0, 2 * PAIR)
@@ -339,7 +257,7 @@ if triton is not None:
         col_ok = first + i % PAIR < n
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
-                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST, EVICT)
+                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -349,11 +267,11 @@ if triton is not None:
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                             WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr):
+                             WEIGHTS_FIRST: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST, EVICT)
+                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -363,26 +281,21 @@ if triton is not None:
                  mask=(offs_m < rows)[:, None] & (cols < half)[None, :])
 
     @triton.jit
-    def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, GateUp, gate_up_bytes,
-                               up_offset, Down, down_bytes, rows, k, stride_x, stride_w, stride_q, stride_ct,
-                               stride_cs, stride_ch,
+    def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
+                               stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                               WEIGHTS_FIRST: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr = ""):
+                               WEIGHTS_FIRST: tl.constexpr):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
-        # PREFETCH ("early", "late" or ""): when this program asks L2 for its share of the MLP's first weight bytes
-        # (MLP_PREFETCH_BYTES).
-        if PREFETCH == "early":
-            _prefetch_mlp(GateUp, gate_up_bytes, up_offset, Down, down_bytes)
         head = tl.program_id(0) // (HALF // PAIR)
         start = (tl.program_id(0) % (HALF // PAIR)) * PAIR  # of this program's run in the head's first half
         offs_d = start + tl.arange(0, PAIR)
         first = head * 2 * HALF + start
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
                                  rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL,
-                                 WEIGHTS_FIRST, EVICT)
+                                 WEIGHTS_FIRST)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -409,8 +322,6 @@ if triton is not None:
                 cache_ptr = VCache + slot[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
                 tl.store(cache_ptr, x1.to(VCache.dtype.element_ty), mask=row_ok)
                 tl.store(cache_ptr + HALF, x2.to(VCache.dtype.element_ty), mask=row_ok)
-        if PREFETCH == "late":
-            _prefetch_mlp(GateUp, gate_up_bytes, up_offset, Down, down_bytes)
 
 
     @triton.jit
@@ -505,52 +416,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype, add_norm: tuple | None = None) -> torch.Tensor:
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tensor:
     rows = x.shape[0]
     n, k = weight.shape
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
-    residual, norm_weight, normed, eps = add_norm or (out, weight, out, 0.0)
     block_n, block_k, stages, warps = gemv_config(n, rows, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), residual, norm_weight, normed, _arrivals(x.device) if add_norm else out, residual.stride(0),
-        normed.stride(0), eps, HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
+        out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
         IEEE=weight.dtype == torch.float32, **row_tile(rows, block_n), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, EVICT=_weight_eviction(),
-        ADD_NORM=add_norm is not None, NORM_BLOCK=triton.next_power_of_2(n) if add_norm else 1,
-        **pdl_options(x.device))
+        num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, **pdl_options(x.device))
     return out
-
-
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The count of ``projection_add_rms_norm``'s programs that have stored their columns, 0 between launches. One
-    per device serves every launch, graphs included: launches on a stream run in its order, and under PDL a
-    kernel's programs touch it only after waiting for the kernel before, which set it back to 0 as its last act."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
-def _weight_eviction() -> str:
-    return "evict_first" if WEIGHTS_EVICT_FIRST else ""
-
-
-def _prefetch_plan(mlp_weights: tuple | None, device: torch.device) -> tuple[int, int, int, str]:
-    """(gate/up bytes per half, offset of the up half in elements, down bytes, PREFETCH) of the q/k/v kernel's
-    prefetch of ``mlp_weights``, the (``[gate; up]``, down) weights the layer streams after the attention: where the
-    device has Hopper's bulk L2 prefetch, MLP_PREFETCH_BYTES split between the first gate rows and the up rows
-    paired with them, and DOWN_PREFETCH_BYTES of the down rows. (0, 0, 0, "") turns it off."""
-    off = 0, 0, 0, ""
-    if mlp_weights is None or MLP_PREFETCH_BYTES + DOWN_PREFETCH_BYTES <= 0 or not launches_pdl(device):
-        return off  # launches_pdl: CUDA on sm_90 or later, which the bulk prefetch needs as well
-    gate_up, down = mlp_weights
-    if not (gate_up.is_contiguous() and down.is_contiguous()) or gate_up.data_ptr() % 16 or down.data_ptr() % 16:
-        return off
-    half = gate_up.numel() // 2
-    if (half * gate_up.element_size()) % 16:
-        return off
-    gate_up_bytes = min(MLP_PREFETCH_BYTES // 2, half * gate_up.element_size()) // 16 * 16
-    down_bytes = min(DOWN_PREFETCH_BYTES, down.numel() * down.element_size()) // 16 * 16
-    return gate_up_bytes, half, down_bytes, MLP_PREFETCH_POINT
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
@@ -597,26 +473,6 @@ def projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def projection_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-    """``add_rms_norm(projection(x, weight, bias), residual, norm_weight, eps)``, one launch where the weights
-    stream (``folds_norm_into_projection``): the add in the product's epilogue, and the norm by the program that
-    stores the last columns. Returns (normed, summed)."""
-    if not (folds_norm_into_projection(residual, weight) and gemv_fits(x, weight, PROJECTION_GEMV_MAX_ROWS)):
-        return add_rms_norm(projection(x, weight, bias), residual, norm_weight, eps)
-    normed = torch.empty_like(residual)
-    summed = _gemv(x, weight, bias, x.dtype, add_norm=(residual, norm_weight, normed, eps))
-    return normed, summed
-
-
-def folds_norm_into_projection(residual: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``projection_add_rms_norm`` of a product with ``weight`` that adds ``residual`` runs as one launch
-    (``NORM_INTO_PROJECTIONS`` on, and ``projection`` streaming the weights at the residual's row count): decided
-    before the product's input exists, from the residual, which has its rows and dtype."""
-    return (NORM_INTO_PROJECTIONS and gemv_fits(residual, weight, PROJECTION_GEMV_MAX_ROWS)
-            and residual.shape[1] == weight.shape[0])
-
-
 def folds_into_projection(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``qkv_rope_and_write_cache`` and ``gate_up_silu`` take this input (``FOLD_INTO_PROJECTIONS`` on and
     ``projection`` streaming the weights at this row count)."""
@@ -629,7 +485,7 @@ def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int)
     pair = min(block_n // 2, pair_limit)
     return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32, **row_tile(x.shape[0], 2 * pair),
                 PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
-                EVICT=_weight_eviction(), **pdl_options(x.device))
+                **pdl_options(x.device))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -645,11 +501,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
-                             num_heads: int, num_kv_heads: int, mlp_weights: tuple | None = None) -> torch.Tensor:
+                             num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch.
     ``weight``: the fused ``[q; k; v]`` projection, heads of a power-of-two half; cos, sin: ``[T, head_dim]`` or
-    None (no rotary); ``mlp_weights``: the (gate/up, down) weights the layer streams next, for L2 to fetch ahead
-    (MLP_PREFETCH_BYTES). Returns q ``[T, heads, head_dim]``."""
+    None (no rotary). Returns q ``[T, heads, head_dim]``."""
     tokens = x.shape[0]
     head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
     half = head_dim // 2
@@ -658,14 +513,11 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     has_rope = cos is not None
     options = _paired_launch(x, weight, bias, half)
-    gate_up_bytes, up_offset, down_bytes, prefetch = _prefetch_plan(mlp_weights, x.device)
-    gate_up, down = mlp_weights if prefetch else (weight, weight)
     _qkv_rope_cache_kernel[((num_heads + 2 * num_kv_heads) * half // options["PAIR"],)](
         x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
-        flat_k, flat_v, slot_mapping, gate_up, gate_up_bytes, up_offset, down, down_bytes,
-        tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
+        flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
         cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options, PREFETCH=prefetch,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options,
         **EXACT_ROUNDING)
     return q
 

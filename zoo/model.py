@@ -437,17 +437,8 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, hidden, rope, mlp_weights: tuple | None = None):
-        """``rope``: (rotary module, its tables for this step), or None without rotary positions. ``mlp_weights``:
-        the weights the layer streams after the attention, which the fused q/k/v kernel may ask L2 to fetch early."""
-        return project(self.o_proj, self.unprojected(hidden, rope, mlp_weights), self.fused_projections)
-
-    def output_projection(self) -> tuple[nn.Module, bool]:
-        """(the last product, o, and whether it runs on ``fused_ops.projection``)."""
-        return self.o_proj, self.fused_projections
-
-    def unprojected(self, hidden, rope, mlp_weights: tuple | None = None):
-        """``forward`` up to the o product: the heads' outputs, ``[tokens, heads * head_dim]``."""
+    def forward(self, hidden, rope):
+        """``rope``: (rotary module, its tables for this step), or None without rotary positions."""
         meta = get_forward_context().attention
         tokens = hidden.shape[0]
         rotary, tables = rope if rope is not None else (None, None)
@@ -459,7 +450,7 @@ class Attention(nn.Module):
         if folds:
             q = fused_ops.qkv_rope_and_write_cache(
                 hidden, joint.weight, joint.bias, cos, sin, self.kv_cache[0], self.kv_cache[1], meta.slot_mapping,
-                self.num_heads, self.num_kv_heads, mlp_weights)
+                self.num_heads, self.num_kv_heads)
         else:
             if self.qkv_proj is not None:
                 q, k, v = self.qkv_proj(hidden)
@@ -471,7 +462,8 @@ class Attention(nn.Module):
             if isinstance(meta, DenseCausal):
                 if rotary is not None:
                     q, k = rotary(q, k, tables)
-                return meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
+                attended = meta.attend(q, k, v, self.scale).reshape(tokens, self.num_heads * self.head_dim)
+                return project(self.o_proj, attended, self.fused_projections)
             if fused_rope:
                 q = fused_ops.rope_and_write_cache(q, k, v, cos, sin, self.kv_cache[0], self.kv_cache[1],
                                                    meta.slot_mapping)
@@ -479,7 +471,8 @@ class Attention(nn.Module):
                 if rotary is not None:
                     q, k = rotary(q, k, tables)
                 write_cache(k, v, self.kv_cache, meta.slot_mapping)
-        return paged_attention(q, self.kv_cache, meta, self.scale).reshape(tokens, self.num_heads * self.head_dim)
+        out = paged_attention(q, self.kv_cache, meta, self.scale)
+        return project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
 
 
 class MLP(nn.Module):
@@ -497,37 +490,20 @@ class MLP(nn.Module):
         if self.gate_proj is not None:
             self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
 
-    def streamed_weights(self) -> tuple | None:
-        """(gate/up, down): the weights the fused path streams in that order, for the attention before to prefetch;
-        None where it does not run or an adapter wraps them."""
-        if (self.gate_up_proj is None or not self.fused or self.gate_up_proj.wrapped
-                or type(self.down_proj) is not nn.Linear):
-            return None
-        return self.gate_up_proj.joint.weight, self.down_proj.weight
-
-    def streams_down(self) -> bool:
-        return self.gate_up_proj is not None and self.fused and self.act is F.silu  # the fused SiLU path
-
     def forward(self, x):
-        return project(self.down_proj, self.unprojected(x), self.streams_down())
-
-    def output_projection(self) -> tuple[nn.Module, bool]:
-        """(the last product, down, and whether it runs on ``fused_ops.projection``)."""
-        return self.down_proj, self.streams_down()
-
-    def unprojected(self, x):
-        """``forward`` up to the down product: the activated up product (times the gate's where gated)."""
-        if self.streams_down():
+        if self.gate_up_proj is not None and self.fused and self.act is F.silu:
             joint = self.gate_up_proj.joint
             if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight):
-                return fused_ops.gate_up_silu(x, joint.weight, joint.bias)
-            return fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
+                activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
+            else:
+                activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
+            return project(self.down_proj, activated, True)
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x)
-            return self.act(gate) * up
+            return self.down_proj(self.act(gate) * up)
         if self.gate_proj is not None:
-            return self.act(self.gate_proj(x)) * self.up_proj(x)
-        return self.act(self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -546,24 +522,13 @@ class DecoderLayer(nn.Module):
     def _residual(self, normed, summed):
         return normed * self.residual_scale if self.residual_of_normed else summed
 
-    def forward(self, normed, hidden, rope, next_norm: nn.Module):
-        """The layer on its input, normalised (``normed``) and not (``hidden``). Returns ``next_norm``'s
-        ``(normed, summed)`` of the layer's output: each sublayer ends with the norm of what follows, so that where
-        they can, its last product, the residual add and that norm run as one kernel (``sublayer_add_norm``)."""
-        normed, hidden = self.sublayer_add_norm(self.self_attn, (normed, rope, self.mlp.streamed_weights()),
-                                                self.post_attention_layernorm, self._residual(normed, hidden))
-        return self.sublayer_add_norm(self.mlp, (normed,), next_norm, self._residual(normed, hidden))
-
-    def sublayer_add_norm(self, sublayer: nn.Module, args: tuple, norm: nn.Module, residual):
-        """``add_norm(norm, sublayer(*args), residual)``, the sublayer's output made whole over ranks. Where its
-        last product is a plain Linear on the weight-streaming kernel and the norm a fused RMSNorm, the sublayer
-        runs up to that product and ``fused_ops.projection_add_rms_norm`` does the rest in one launch."""
-        projection, fused = sublayer.output_projection()
-        if (fused and self.parallel is None and type(projection) is nn.Linear and isinstance(norm, RMSNorm)
-                and norm.fused and fused_ops.folds_norm_into_projection(residual, projection.weight)):
-            return fused_ops.projection_add_rms_norm(sublayer.unprojected(*args), projection.weight, projection.bias,
-                                                     residual, norm.weight, norm.eps)
-        return add_norm(norm, summed(self.parallel, sublayer(*args)), residual)
+    def forward(self, hidden, residual, rope):
+        """Returns (mlp output, its residual): the add is left to the next norm, which fuses it."""
+        normed, hidden = add_norm(self.input_layernorm, hidden, residual)
+        residual = self._residual(normed, hidden)
+        attended = summed(self.parallel, self.self_attn(normed, rope))
+        normed, hidden = add_norm(self.post_attention_layernorm, attended, residual)
+        return summed(self.parallel, self.mlp(normed)), self._residual(normed, hidden)
 
 
 class Backbone(nn.Module):
@@ -600,14 +565,12 @@ class DecoderModel(nn.Module):
             self.hooks.zoo_embed_modify(hidden=hidden, context=context, model=self)
         rotary = self.model.rotary
         rope = (rotary, rotary.prepare(positions, hidden.dtype)) if rotary is not None else None
-        layers = self.model.layers
-        normed, hidden = add_norm(layers[0].input_layernorm, hidden, None)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            normed, hidden = layer(normed, hidden, rope, next_norm)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, rope)
             if i in self.captured_layers:
-                context.layer_outputs[i] = hidden  # the layer's output plus its residual
-        return normed
+                context.layer_outputs[i] = hidden + residual
+        return add_norm(self.model.norm, hidden, residual)[0]
 
     def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Ids past the vocabulary are rows of a per-request table (prompt tuning's virtual tokens, TensorRT-LLM's
