@@ -41,11 +41,13 @@ def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_
 # wide_rows 1: the wide splits (WIDE_BLOCKS_PER_SPLIT blocks) that large batches take
 @pytest.mark.parametrize("blocks_per_iter, launch_programs, wide_rows",
                          [(1, 2048, 512), (2, 2048, 512), (4, 2048, 512), (4, 1, 512), (4, 2048, 1), (2, 1, 1)])
-# cached_first: each lane's first tile read before the PDL wait, but for the positions the step may write
-@pytest.mark.parametrize("cached_first", [False, True])
+# cached_first: each lane's first tile read before the PDL wait, but for the positions the step may write; "wide":
+# on, in a step of as many (token, KV head) pairs as CACHED_FIRST_MAX_PAIRS, from which it reads nothing early
+@pytest.mark.parametrize("cached_first", [False, True, "wide"])
 def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_iter, launch_programs, wide_rows,
                                         cached_first, monkeypatch):
-    monkeypatch.setattr(triton_attention, "CACHED_FIRST", cached_first)
+    monkeypatch.setattr(triton_attention, "CACHED_FIRST", bool(cached_first))
+    monkeypatch.setattr(triton_attention, "CACHED_FIRST_MAX_PAIRS", 7 * kv_heads if cached_first == "wide" else 64)
     monkeypatch.setattr(triton_attention, "BLOCKS_PER_ITER", blocks_per_iter)
     monkeypatch.setattr(triton_attention, "LAUNCH_PROGRAMS", launch_programs)
     monkeypatch.setattr(triton_attention, "WIDE_ROWS", wide_rows)
@@ -100,4 +102,4 @@ def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_
     for cache in early:
         cache[tables[0, 0], 0] = float("nan")
     spoiled = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True, caches_before_step=early)
-    assert bool(spoiled[0].isnan().any()) == cached_first
+    assert bool(spoiled[0].isnan().any()) == (cached_first is True)

@@ -90,6 +90,12 @@ def pdl_options(device: torch.device) -> dict:
 # replayed in 0.906 against 0.938 ms (medians of 7 interleaved rounds, bench/profile_gpu_step.py
 # --variants current cached_first; bench/results/gpu/round12/profile_switches.txt).
 CACHED_FIRST = True
+# Steps from this many (query token, KV head) pairs up read nothing before the wait: there the early reads of many
+# programs compete with the kernel before for memory, and the rows after it came on fell. On an H100, bench/gpu.py
+# with it on everywhere against on below 64 pairs (batch 8 of Llama-3.2-1B's 8 KV heads): 892 against 885 tok/s at
+# batch 1 (on in both), 5964 against 5977 at 8, 18978 against 21359 at 32, 35468 against 37907 at 64, and offline
+# 27982 against 32886 (bench/results/gpu/round14/gpu_cached_first_ab_h100.json).
+CACHED_FIRST_MAX_PAIRS = 64
 
 
 # The partial results' strides follow the step's split count. Triton would compile a variant per stride class
@@ -272,7 +278,8 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         lse_partial.stride(0), lse_partial.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCKS_PER_SPLIT=blocks_per_split, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
-        IEEE=q.dtype == torch.float32, CACHED_FIRST=CACHED_FIRST, **pdl_options(q.device),
+        IEEE=q.dtype == torch.float32, CACHED_FIRST=CACHED_FIRST and tokens * kv_heads < CACHED_FIRST_MAX_PAIRS,
+        **pdl_options(q.device),
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
     # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
