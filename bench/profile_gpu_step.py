@@ -93,6 +93,12 @@ VARIANTS = {
 # 0.926x (bench/results/gpu/round14/profile_norm_fold_prefetch_ablations_h200.txt).
 # Round 12's decode kernel without its first cached tile read before the PDL wait (triton_attention.CACHED_FIRST)
 VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
+# The down product's one-row tile (4 columns by 2048, 3 stages, 4 warps: 512 programs, about 1.3 waves of the three
+# that fit an SM's shared memory at 3 stages) with 2 stages (5 fit: one wave), 8 columns, or 8 warps; round 11 chose
+# its tile from standalone calls on cold weights, these time it inside the decode graph
+for _name, _tile in (("down_2stage", (4, 2048, 2, 4)), ("down_8col_2stage", (8, 2048, 2, 4)),
+                     ("down_8warps", (4, 2048, 3, 8))):
+    VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 1 << 62): _tile})
 # Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
 # the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
 # residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
