@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the lent device machine: the base commit and the current tree side by side.
 #
-# Run from the repository root, with the git-ignored folder .carry/ carried along:
+# Run from the repository root, with the git-ignored folder .carry/ carried along (bash bench/prepare_carry.sh fills it):
 #   .carry/wheels/    hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3 (the device has no network
 #                     and lacks them); pluggy, setuptools, wheel (installed only where the device's are missing or old);
 #                     peft, accelerate, psutil (the adapter tests' peer; installed only where missing)

@@ -99,6 +99,9 @@ VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
 for _name, _tile in (("down_2stage", (4, 2048, 2, 4)), ("down_8col_2stage", (8, 2048, 2, 4)),
                      ("down_8warps", (4, 2048, 3, 8))):
     VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 1 << 62): _tile})
+# The same for the 2048-deep products (q/k/v and o: 8 columns by 2048, 3 stages, 2 warps)
+for _name, _tile in (("narrow_2stage", (8, 2048, 2, 2)), ("narrow_4col", (4, 2048, 3, 2))):
+    VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 2048): _tile})
 # Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
 # the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
 # residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
