@@ -39,11 +39,12 @@ def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 8)])
 # launch_programs 1: one lane per (token, KV head), which loops over every split of the context;
 # wide_rows 1: the wide splits (WIDE_BLOCKS_PER_SPLIT blocks) that large batches take
-@pytest.mark.parametrize("blocks_per_iter, launch_programs, wide_rows",
-                         [(1, 2048, 512), (2, 2048, 512), (4, 2048, 512), (4, 1, 512), (4, 2048, 1), (2, 1, 1)])
 # cached_first: each lane's first tile read before the PDL wait, but for the positions the step may write; "wide":
 # on, in a step of as many (token, KV head) pairs as CACHED_FIRST_MAX_PAIRS, from which it reads nothing early
-@pytest.mark.parametrize("cached_first", [False, True, "wide"])
+@pytest.mark.parametrize("blocks_per_iter, launch_programs, wide_rows, cached_first",
+                         [(*launch, cached_first) for launch in [(1, 2048, 512), (2, 2048, 512), (4, 2048, 512),
+                                                                 (4, 1, 512), (4, 2048, 1), (2, 1, 1)]
+                          for cached_first in (False, True)] + [(4, 2048, 512, "wide")])
 def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_iter, launch_programs, wide_rows,
                                         cached_first, monkeypatch):
     monkeypatch.setattr(triton_attention, "CACHED_FIRST", bool(cached_first))
