@@ -12,9 +12,14 @@ kernels cannot be compiled); tests/test_fused_ops.py runs it in a subprocess.
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET"):
     raise SystemExit("run without TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
@@ -30,7 +35,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SCALARS = {"eps": "fp32", "scale": "fp32"}  # every other lower-case argument is an i32
 
 
-def signature(kernel, pointers: dict[str, str]) -> dict[str, str]:
+def signature_of(kernel, pointers: dict[str, str]) -> dict[str, str]:
     """Argument types by zoo's naming: Capitalised arguments are pointers (bf16, or as ``pointers`` names them;
     its key "*": every other pointer's), lower-case ones scalars; constexprs by the kernel's own annotations."""
     default_pointer = pointers.get("*", "*bf16")
@@ -98,14 +103,117 @@ CASES = [
 ]
 
 
+# The benchmark's products at one row (bench/gpu.py's Llama-3.2-1B shape), for --occupancy: (name, kernel, pointers
+# not bf16, weight [n, k], the launch's scalar arguments as the runtime passes them)
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 2048, 32, 8, 64, 8192, 128256
+QKV_ROWS = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+PRODUCTS = [
+    ("q/k/v with rotary and the cache write", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
+     (QKV_ROWS, HIDDEN), dict(rows=1, k=HIDDEN, stride_x=HIDDEN, stride_w=HIDDEN, stride_q=HEADS * HEAD_DIM,
+                              stride_ct=HEAD_DIM, stride_cs=KV_HEADS * HEAD_DIM, stride_ch=HEAD_DIM)),
+    ("o", fused_ops._gemv_kernel, {}, (HIDDEN, HEADS * HEAD_DIM),
+     dict(rows=1, n=HIDDEN, k=HEADS * HEAD_DIM, stride_x=HEADS * HEAD_DIM, stride_w=HEADS * HEAD_DIM, stride_o=HIDDEN)),
+    ("gate/up with SiLU", fused_ops._gate_up_silu_kernel, {}, (2 * INTERMEDIATE, HIDDEN),
+     dict(rows=1, half=INTERMEDIATE, k=HIDDEN, stride_x=HIDDEN, stride_w=HIDDEN, stride_o=INTERMEDIATE)),
+    ("down", fused_ops._gemv_kernel, {}, (HIDDEN, INTERMEDIATE),
+     dict(rows=1, n=HIDDEN, k=INTERMEDIATE, stride_x=INTERMEDIATE, stride_w=INTERMEDIATE, stride_o=HIDDEN)),
+    ("LM head", fused_ops._gemv_kernel, {"Out": "*fp32"}, (VOCAB, HIDDEN),
+     dict(rows=1, n=VOCAB, k=HIDDEN, stride_x=HIDDEN, stride_w=HIDDEN, stride_o=VOCAB)),
+]
+H200_SMS = 132
+
+
+def specialised_like_the_runtime(kernel, pointers: dict, constexprs: dict, scalars: dict):
+    """(signature, constexprs, attrs) as Triton's launcher specialises a call: every pointer 16-byte aligned (torch's
+    allocations are), integer arguments that are multiples of 16 marked so, and those equal to 1 made constants. The
+    loads then vectorise as they do on the GPU, which the plain signature above does not show."""
+    signature, constexprs, attrs = signature_of(kernel, pointers), dict(constexprs), {}
+    for index, param in enumerate(kernel.params):
+        if param.is_constexpr:
+            continue
+        value = scalars.get(param.name)
+        if param.name[0].isupper():
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif value == 1:
+            signature[param.name], constexprs[param.name] = "constexpr", 1
+        elif isinstance(value, int) and value % 16 == 0:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def registers_per_thread(compiled) -> int:
+    """A compiled kernel's registers per thread, from cuobjdump (in Triton's wheel)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        report = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                                check=True).stdout
+    return int(re.search(r"REG:(\d+)", report).group(1))
+
+
+def programs_per_sm(registers: int, warps: int, shared: int) -> int:
+    """Hopper's limits on the programs one SM holds at once: 64K registers (allocated per warp in units of 256),
+    2,048 threads, 32 blocks, 227 KB of shared memory (1 KB of it reserved per block)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 2048 // (32 * warps), 32, (227 * 1024) // (shared + 1024))
+
+
+def occupancy(tiles: list[tuple] | None) -> int:
+    """Each product of the benchmark at one row, compiled as the runtime launches it (its tile from fused_ops, or each
+    of ``tiles``): registers, the programs an SM holds, the grid in waves of the H200's 132 SMs, and the weight bytes
+    each program loads before its PDL wait."""
+    print(f"the benchmark's products at one row, compiled as launched (Triton {triton.__version__} here; the device's "
+          "Triton may allocate registers differently)")
+    for name, kernel, pointers, (n, k), scalars in PRODUCTS:
+        for tile in tiles or [fused_ops.gemv_config(n, 1, k)]:
+            block_n, block_k, stages, warps = tile
+            paired = "PAIR" in [param.name for param in kernel.params]
+            if paired:  # the paired kernels take the tile's columns as two runs of PAIR rows
+                pair = min(block_n // 2, HEAD_DIM // 2 if kernel is fused_ops._qkv_rope_cache_kernel else 1 << 30)
+                width = dict(PAIR=pair, **fused_ops.row_tile(1, 2 * pair))
+                grid = n // 2 // pair
+                extra = (dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, HALF=HEAD_DIM // 2, HAS_ROPE=True)
+                         if kernel is fused_ops._qkv_rope_cache_kernel else {})
+                constexprs = dict(HAS_BIAS=False, IEEE=False, BLOCK_K=block_k, **width, **extra, **PRODUCT)
+            else:
+                grid = -(-n // block_n)
+                constexprs = dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  **fused_ops.row_tile(1, block_n), **PRODUCT)
+            signature, constexprs, attrs = specialised_like_the_runtime(kernel, pointers, constexprs, scalars)
+            options = {"num_warps": warps, "num_stages": stages, "launch_pdl": True}
+            if kernel is fused_ops._qkv_rope_cache_kernel:
+                options.update(fused_ops.EXACT_ROUNDING)
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                                      target=HOPPER, options=options)
+            registers, shared = registers_per_thread(compiled), compiled.metadata.shared
+            resident = programs_per_sm(registers, warps, shared)
+            # bf16 bytes of the first weight tile, which a program loads before its wait: only the first wave's
+            # programs are there to load it before the kernel before them ends
+            early = 2 * min(block_k, k) * block_n * min(grid, resident * H200_SMS)
+            print(f"  {name:38s} tile {tile}: {registers:3d} registers, {shared:6d} B shared, {resident:2d} programs "
+                  f"an SM, {grid:5d} programs = {grid / (resident * H200_SMS):.2f} waves, "
+                  f"{early / 2**20:5.1f} MB of {2 * n * k / 2**20:.1f} before the wait")
+    return 0
+
+
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--occupancy", action="store_true",
+                   help="instead: the benchmark's products at one row as the runtime launches them, with their "
+                        "registers and waves on the H200")
+    p.add_argument("--tiles", nargs="+", default=None, metavar="N,K,STAGES,WARPS",
+                   help="with --occupancy: these tiles for every product instead of fused_ops' choice")
+    args = p.parse_args()
+    if args.occupancy:
+        return occupancy([tuple(int(v) for v in tile.split(",")) for tile in args.tiles] if args.tiles else None)
     failed = []
     for name, kernel, pointers, constexprs, options in CASES:
         launch = {"num_warps": 4, "num_stages": 3, **options}
         if constexprs.get("PDL"):
             launch["launch_pdl"] = True
         try:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, pointers),
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature_of(kernel, pointers),
                                                 constexprs=constexprs), target=HOPPER, options=launch)
         except Exception:  # noqa: BLE001 - reported by name, the others still compiled
             failed.append(name)

@@ -93,14 +93,15 @@ VARIANTS = {
 # 0.926x (bench/results/gpu/round14/profile_norm_fold_prefetch_ablations_h200.txt).
 # Round 12's decode kernel without its first cached tile read before the PDL wait (triton_attention.CACHED_FIRST)
 VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
-# The down product's one-row tile (4 columns by 2048, 3 stages, 4 warps: 512 programs, about 1.3 waves of the three
-# that fit an SM's shared memory at 3 stages) with 2 stages (5 fit: one wave), 8 columns, or 8 warps; round 11 chose
-# its tile from standalone calls on cold weights, these time it inside the decode graph
-for _name, _tile in (("down_2stage", (4, 2048, 2, 4)), ("down_8col_2stage", (8, 2048, 2, 4)),
-                     ("down_8warps", (4, 2048, 3, 8))):
+# One-row tiles inside the decode graph, where round 11 chose them from standalone calls on cold weights. Triton
+# streams these narrow tiles through registers (no shared-memory stages: num_stages changes nothing), so what sets
+# the programs an SM holds is registers: `bench/compile_sm90.py --occupancy --tiles ...` prints them, and the grid
+# in waves. The down product (4 columns by 2048, 4 warps: 72 registers, 512 programs, 0.55 waves) with 8 columns
+# (188 registers, 0.97 waves) or 8 warps; q/k/v and o (8 columns by 2048, 2 warps: 254 registers) with 4 columns
+# on 2 warps (170) or on 4 warps (72 registers, 0.55 waves for o), all under one wave and all loaded before the wait
+for _name, _tile in (("down_8col", (8, 2048, 3, 4)), ("down_8warps", (4, 2048, 3, 8))):
     VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 1 << 62): _tile})
-# The same for the 2048-deep products (q/k/v and o: 8 columns by 2048, 3 stages, 2 warps)
-for _name, _tile in (("narrow_2stage", (8, 2048, 2, 2)), ("narrow_4col", (4, 2048, 3, 2))):
+for _name, _tile in (("narrow_4col", (4, 2048, 3, 2)), ("narrow_4col_4warps", (4, 2048, 3, 4))):
     VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 2048): _tile})
 # Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
 # the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
