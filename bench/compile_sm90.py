@@ -31,6 +31,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from zoo import fused_ops, triton_attention  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu import SHAPE  # noqa: E402
+
 HOPPER = GPUTarget("cuda", 90, 32)
 SCALARS = {"eps": "fp32", "scale": "fp32"}  # every other lower-case argument is an i32
 
@@ -105,7 +108,8 @@ CASES = [
 
 # The benchmark's products at one row (bench/gpu.py's Llama-3.2-1B shape), for --occupancy: (name, kernel, pointers
 # not bf16, weight [n, k], the launch's scalar arguments as the runtime passes them)
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 2048, 32, 8, 64, 8192, 128256
+HIDDEN, HEADS, KV_HEADS = SHAPE["hidden_size"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+HEAD_DIM, INTERMEDIATE, VOCAB = HIDDEN // HEADS, SHAPE["intermediate_size"], SHAPE["vocab_size"]
 QKV_ROWS = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 PRODUCTS = [
     ("q/k/v with rotary and the cache write", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
