@@ -70,6 +70,8 @@ CASES = [
      dict(HAS_BIAS=False, ROUND_TO=tl.float32, IEEE=True, DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, **PRODUCT), {}),
     ("gate_up_silu", fused_ops._gate_up_silu_kernel, {},
      dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, **PRODUCT), {}),
+    ("gate_up_silu, a first tile four deep (FIRST_TILE_DEPTH)", fused_ops._gate_up_silu_kernel, {},
+     dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, FIRST_K=512, **PRODUCT), {}),
     ("gate_up_silu, narrow", fused_ops._gate_up_silu_kernel, {},
      dict(HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), {}),
     ("qkv_rope_cache", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
@@ -168,7 +170,7 @@ def occupancy(tiles: list[tuple] | None) -> int:
     of ``tiles``): registers, the programs an SM holds, the grid in waves of the H200's 132 SMs, and the weight bytes
     each program loads before its PDL wait."""
     print(f"the benchmark's products at one row, compiled as launched (Triton {triton.__version__} here; the device's "
-          "Triton may allocate registers differently)")
+          f"Triton may allocate registers differently); FIRST_TILE_DEPTH {fused_ops.FIRST_TILE_DEPTH}")
     for name, kernel, pointers, (n, k), scalars in PRODUCTS:
         for tile in tiles or [fused_ops.gemv_config(n, 1, k)]:
             block_n, block_k, stages, warps = tile
@@ -184,6 +186,8 @@ def occupancy(tiles: list[tuple] | None) -> int:
                 grid = -(-n // block_n)
                 constexprs = dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, BLOCK_N=block_n, BLOCK_K=block_k,
                                   **fused_ops.row_tile(1, block_n), **PRODUCT)
+            first_k = fused_ops.first_tile_depth(block_k, k) if paired else block_k
+            constexprs["FIRST_K"] = first_k
             signature, constexprs, attrs = specialised_like_the_runtime(kernel, pointers, constexprs, scalars)
             options = {"num_warps": warps, "num_stages": stages, "launch_pdl": True}
             if kernel is fused_ops._qkv_rope_cache_kernel:
@@ -194,7 +198,7 @@ def occupancy(tiles: list[tuple] | None) -> int:
             resident = programs_per_sm(registers, warps, shared)
             # bf16 bytes of the first weight tile, which a program loads before its wait: only the first wave's
             # programs are there to load it before the kernel before them ends
-            early = 2 * min(block_k, k) * block_n * min(grid, resident * H200_SMS)
+            early = 2 * min(first_k, k) * block_n * min(grid, resident * H200_SMS)
             print(f"  {name:38s} tile {tile}: {registers:3d} registers, {shared:6d} B shared, {resident:2d} programs "
                   f"an SM, {grid:5d} programs = {grid / (resident * H200_SMS):.2f} waves, "
                   f"{early / 2**20:5.1f} MB of {2 * n * k / 2**20:.1f} before the wait")
@@ -208,11 +212,17 @@ def main() -> int:
                         "registers and waves on the H200")
     p.add_argument("--tiles", nargs="+", default=None, metavar="N,K,STAGES,WARPS",
                    help="with --occupancy: these tiles for every product instead of fused_ops' choice")
+    p.add_argument("--first-depth", type=int, default=None, metavar="D",
+                   help="with --occupancy: fused_ops.FIRST_TILE_DEPTH, the depth of each program's first weight tile")
     args = p.parse_args()
+    if args.first_depth is not None:
+        fused_ops.FIRST_TILE_DEPTH = args.first_depth
     if args.occupancy:
         return occupancy([tuple(int(v) for v in tile.split(",")) for tile in args.tiles] if args.tiles else None)
     failed = []
     for name, kernel, pointers, constexprs, options in CASES:
+        if "FIRST_K" in [param.name for param in kernel.params]:  # the products' first tile: their tile's depth
+            constexprs = {"FIRST_K": constexprs["BLOCK_K"], **constexprs}
         launch = {"num_warps": 4, "num_stages": 3, **options}
         if constexprs.get("PDL"):
             launch["launch_pdl"] = True

@@ -153,6 +153,34 @@ def test_qkv_rope_and_cache_write_is_the_product_then_the_rope_kernel(dtype, hea
     torch.testing.assert_close(cache, expected_cache, **exact)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_deeper_first_tile_gives_the_paired_products_as_before(dtype, rows, monkeypatch):
+    """FIRST_TILE_DEPTH: gate/up's and q/k/v's first weight tile four tiles deep, then tiles of BLOCK_K, over a K
+    that is not a multiple of either (masked): the same products, summed in another grouping."""
+    monkeypatch.setattr(fused_ops, "GEMV_CONFIGS", {1 << 62: (16, 32, 3, 4)})
+    monkeypatch.setattr(fused_ops, "GEMV_ONE_ROW_CONFIGS", {})
+    assert fused_ops.first_tile_depth(32, 300) == 32
+    g = torch.Generator().manual_seed(30 + rows)
+    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)
+    gate_up = torch.randn(2 * 40, 300, generator=g).to(DEVICE, dtype) / 10
+    heads, kv_heads, head_dim = 2, 1, 16
+    qkv = torch.randn((heads + 2 * kv_heads) * head_dim, 300, generator=g).to(DEVICE, dtype) / 10
+    slots = torch.arange(rows, device=DEVICE) * 3
+
+    def products():
+        cache = torch.zeros(2, 4, 4, kv_heads, head_dim, device=DEVICE, dtype=dtype)
+        q = fused_ops.qkv_rope_and_write_cache(x, qkv, None, None, None, cache[0], cache[1], slots, heads, kv_heads)
+        return fused_ops.gate_up_silu(x, gate_up, None), q, cache
+
+    before = products()
+    monkeypatch.setattr(fused_ops, "FIRST_TILE_DEPTH", 128)
+    assert fused_ops.first_tile_depth(32, 300) == 128 and fused_ops.first_tile_depth(32, 100) == 128
+    assert fused_ops.first_tile_depth(32, 60) == 64  # no deeper than K rounds up to
+    for got, expected in zip(products(), before):
+        torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
 def test_linear_past_the_row_limit_is_f_linear():
     x, weight = torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8)
     assert not fused_ops.gemv_fits(x, weight)
