@@ -66,6 +66,9 @@ CASES = [
      dict(HAS_BIAS=True, ROUND_TO=tl.bfloat16, IEEE=False, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **PRODUCT), {}),
     ("gemv narrow, one row", fused_ops._gemv_kernel, {},
      dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, **PRODUCT), {}),
+    ("gemv narrow, one row, launching the next kernel first (EARLY_TRIGGER)", fused_ops._gemv_kernel, {},
+     dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048,
+          **dict(PRODUCT, PDL=triton_attention.TRIGGER_FIRST)), {}),
     ("gemv float32", fused_ops._gemv_kernel, {"X": "*fp32", "W": "*fp32", "Bias": "*fp32", "Out": "*fp32"},
      dict(HAS_BIAS=False, ROUND_TO=tl.float32, IEEE=True, DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, **PRODUCT), {}),
     ("gate_up_silu", fused_ops._gate_up_silu_kernel, {},
@@ -238,8 +241,10 @@ def main() -> int:
         # CACHED_FIRST, the decode kernel's first tile of cached keys and values
         before_wait = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
         early = sum(before_wait.count(op) for op in ("ld.global", "cp.async"))
+        trigger_first = "griddepcontrol.launch_dependents" in before_wait
         print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions, "
-              f"{early} global loads before the PDL wait", flush=True)
+              f"{early} global loads before the PDL wait" + (", the next kernel launched before it" if trigger_first
+                                                             else ""), flush=True)
     if failed:
         print(f"{len(failed)} of {len(CASES)} kernels failed to compile for sm_90: {', '.join(failed)}")
         return 1

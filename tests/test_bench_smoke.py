@@ -106,7 +106,7 @@ def test_the_profiles_current_variant_is_the_runtimes_defaults():
     switches = [(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
                                                "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
                                                "WEIGHTS_FIRST", "FIRST_TILE_DEPTH")]
-    switches += [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST")]
+    switches += [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST", "EARLY_TRIGGER")]
     defaults = {(module.__name__, name): getattr(module, name) for module, name in switches}
     try:
         profile_gpu_step.apply(profile_gpu_step.VARIANTS["current"])

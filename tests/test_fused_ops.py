@@ -217,19 +217,35 @@ def test_projection_takes_the_kernel_up_to_its_row_limit(dtype, monkeypatch):
             torch.testing.assert_close(out, F.linear(x, weight, bias), atol=0, rtol=0)
 
 
+def test_early_trigger_is_the_kernels_pdl_constant_on_hopper(monkeypatch):
+    from zoo import triton_attention
+
+    monkeypatch.setattr(triton_attention, "launches_pdl", lambda device: True)
+    assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(triton_attention, "EARLY_TRIGGER", True)
+    assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": triton_attention.TRIGGER_FIRST, "launch_pdl": True}
+
+
 def test_no_programmatic_dependent_launch_off_hopper():
     # The kernels' PDL switch is a compile-time constant: off the GPU (the interpreter) it is off, and the launch
     # option is not passed at all.
     assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
-@pytest.mark.parametrize("name,projection_rows,fold", [
-    ("llama", 0, True), ("qwen2", 0, True), ("llama", 64, False), ("llama", 64, True), ("qwen2", 64, True)])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, monkeypatch):
+@pytest.mark.parametrize("name,projection_rows,fold,early_trigger", [
+    ("llama", 0, True, False), ("qwen2", 0, True, False), ("llama", 64, False, False), ("llama", 64, True, False),
+    ("qwen2", 64, True, False), ("llama", 64, True, True)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, early_trigger,
+                                                   monkeypatch):
     """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
     with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
     the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues."""
+    products' epilogues. With early_trigger (Hopper only), each kernel lets the next launch before its own wait."""
+    from zoo import triton_attention
+
+    if early_trigger and not triton_attention.launches_pdl(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch needs Hopper")
+    monkeypatch.setattr(triton_attention, "EARLY_TRIGGER", early_trigger)
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
@@ -344,6 +360,9 @@ def test_every_kernel_compiles_for_the_h200():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("all ")
+    # only the EARLY_TRIGGER case lets the next kernel launch before its wait
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if "next kernel launched before it" in line] == [
+        "gemv narrow, one row, launching the next kernel first (EARLY_TRIGGER)"]
     # --occupancy: the benchmark's products compiled as the launcher specialises them (aligned pointers, rows == 1
     # a constant), so their loads vectorise as on the GPU; their registers read back from the cubin
     proc = subprocess.run([sys.executable, str(script), "--occupancy"], capture_output=True, text=True, env=env,
