@@ -213,7 +213,7 @@ def main() -> int:
             if args.host_profile:
                 entry["prefill_host"] = profile_prefill_host(llm, say)
             if args.ab_rounds:
-                kept.append((key, llm))
+                kept.append((key, llm, VARIANTS[name]))
             del llm
             gc.collect()  # an engine's KV cache fills its share: free it before the next engine starts
             torch.cuda.empty_cache()
@@ -272,20 +272,22 @@ def prefill_time_ms(llm, length: int, seed: int) -> float:
 def interleaved_graph_times(kept, batches, rounds, say, prefill_length: int = 2040) -> dict:
     """Each variant's decode graph replay time and a whole-prompt prefill, variants interleaved round by round
     (A B C A B C ...), so that a drift of the machine over the run falls on all of them alike; medians, and
-    ratios to the first variant. (A prompt's prefill is an eager step: its time includes the host's.)"""
-    times = {(key, batch): [] for key, _ in kept for batch in [*batches, "prefill"]}
+    ratios to the first variant. (A prompt's prefill is an eager step: its time includes the host's, and it runs with
+    its variant's switches set again, since the module switches are read as it launches; the graphs hold theirs.)"""
+    times = {(key, batch): [] for key, _, _ in kept for batch in [*batches, "prefill"]}
     for r in range(rounds):
         for batch in batches:
-            for key, llm in kept:
+            for key, llm, _ in kept:
                 times[(key, batch)].append(graph_time_ms(llm, batch))
-        for key, llm in kept:
+        for key, llm, variant in kept:
+            apply(variant)
             times[(key, "prefill")].append(prefill_time_ms(llm, prefill_length, seed=r))
     say(f"=== interleaved, {rounds} rounds, median ms (ratio to {kept[0][0]}): decode graph replays (20 a round) "
         f"at each batch, and a 1 x {prefill_length} prefill")
     result = {}
     for batch in [*batches, "prefill"]:
         base = statistics.median(times[(kept[0][0], batch)])
-        for key, _ in kept:
+        for key, _, _ in kept:
             ms = statistics.median(times[(key, batch)])
             spread = max(times[(key, batch)]) - min(times[(key, batch)])
             label = f"batch {batch:3d}" if batch != "prefill" else "prefill  "

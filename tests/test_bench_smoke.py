@@ -158,3 +158,34 @@ def test_the_profiles_interleaved_engines_are_refused_where_they_cannot_fit():
     with pytest.raises(SystemExit):
         profile_gpu_step.check_engines_fit(parser, 9, weights, 16384, 16, free_bytes=78 * gib)
     profile_gpu_step.check_engines_fit(parser, 9, weights, 16384, 16, free_bytes=139 * gib)  # an H200 holds them
+
+
+def test_the_profiles_interleaved_prefills_run_on_their_own_variants_switches(monkeypatch):
+    # The graphs hold the switches they were captured with; an eager prefill reads the module switches as it
+    # launches, so each variant's prefill runs with its own set again (round 13's prefill rows ran all on the last).
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import profile_gpu_step
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from zoo import fused_ops, model, triton_attention
+
+    for module, name in [(fused_ops, "GEMV_MAX_ROWS"), (fused_ops, "argmax"), (fused_ops, "PROJECTION_GEMV_MAX_ROWS"),
+                         (fused_ops, "FOLD_INTO_PROJECTIONS"), (fused_ops, "ADVANCE_KERNEL"),
+                         (fused_ops, "GEMV_ONE_ROW_CONFIGS"), (fused_ops, "WEIGHTS_FIRST"),
+                         (fused_ops, "FIRST_TILE_DEPTH"), (fused_ops, "add_rms_norm"),
+                         (triton_attention, "LAUNCH_PROGRAMS"), (triton_attention, "PDL"),
+                         (triton_attention, "CACHED_FIRST"), (triton_attention, "EARLY_TRIGGER"),
+                         (triton_attention, "_merge_splits_kernel"), (model, "paged_attention")]:
+        monkeypatch.setattr(module, name, getattr(module, name))  # each restored after the test
+    seen = []
+    monkeypatch.setattr(profile_gpu_step, "graph_time_ms", lambda llm, batch: 1.0)
+    monkeypatch.setattr(profile_gpu_step, "prefill_time_ms", lambda llm, length, seed: seen.append(
+        (fused_ops.FIRST_TILE_DEPTH, model.paged_attention.__name__)) or 2.0)
+    variants = profile_gpu_step.VARIANTS
+    kept = [("current", None, variants["current"]), ("first512", None, variants["first512"]),
+            ("no_attention", None, variants["no_attention"])]
+    result = profile_gpu_step.interleaved_graph_times(kept, [1], 2, say=lambda text: None)
+    assert seen == [(0, "paged_attention"), (512, "paged_attention"), (0, "<lambda>")] * 2
+    assert result["first512 batch   1"]["median_ms"] == 1.0 and result["current prefill"]["median_ms"] == 2.0
+    profile_gpu_step.apply(variants["current"])  # the ablation's stand-in goes before the originals come back
