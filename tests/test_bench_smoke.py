@@ -11,6 +11,27 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "throughput.py"
 
 
+def bench_module(name: str):
+    """A bench/ script imported as a module (they import each other by name from that folder)."""
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def profile_switches() -> list:
+    """(module, name) of every zoo switch that bench/profile_gpu_step.py's apply() sets."""
+    from zoo import fused_ops, triton_attention
+
+    return ([(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
+                                            "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
+                                            "WEIGHTS_FIRST", "FIRST_TILE_DEPTH")]
+            + [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST", "EARLY_TRIGGER")])
+
+
 def test_throughput_script_runs(tmp_path):
     out = tmp_path / "result.json"
     args = [sys.executable, str(SCRIPT), "--batch-size", "2", "--prompt-len", "8", "--new-tokens", "4",
@@ -96,17 +117,8 @@ def test_serve_script_pins_the_server_and_interleaves_the_offline_engine(tmp_pat
 def test_the_profiles_current_variant_is_the_runtimes_defaults():
     # bench/profile_gpu_step.py's "current" variant is what its A/Bs measure new switches against: it must set
     # every switch it touches to the runtime's default, or the profile measures a configuration nobody runs.
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import profile_gpu_step
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    from zoo import fused_ops, triton_attention
-
-    switches = [(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
-                                               "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
-                                               "WEIGHTS_FIRST", "FIRST_TILE_DEPTH")]
-    switches += [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST", "EARLY_TRIGGER")]
+    profile_gpu_step = bench_module("profile_gpu_step")
+    switches = profile_switches()
     defaults = {(module.__name__, name): getattr(module, name) for module, name in switches}
     try:
         profile_gpu_step.apply(profile_gpu_step.VARIANTS["current"])
@@ -121,11 +133,7 @@ def test_gpu_benchmark_sets_named_switches_and_refuses_unknown_ones():
     # bench/gpu.py --set: an A/B of switches that CUDA graphs capture, which --compare-switch cannot flip mid-run.
     import pytest
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import gpu
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    gpu = bench_module("gpu")
     from zoo import fused_ops
 
     default = fused_ops.PROJECTION_GEMV_MAX_ROWS
@@ -145,11 +153,7 @@ def test_the_profiles_interleaved_engines_are_refused_where_they_cannot_fit():
 
     import pytest
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import profile_gpu_step
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    profile_gpu_step = bench_module("profile_gpu_step")
     assert profile_gpu_step.kv_block_bytes(16) == 512 * 1024  # 16 layers x K,V x 16 tokens x 8 heads x 64 x bf16
     parser = argparse.ArgumentParser()
     gib = 1 << 30
@@ -163,20 +167,11 @@ def test_the_profiles_interleaved_engines_are_refused_where_they_cannot_fit():
 def test_the_profiles_interleaved_prefills_run_on_their_own_variants_switches(monkeypatch):
     # The graphs hold the switches they were captured with; an eager prefill reads the module switches as it
     # launches, so each variant's prefill runs with its own set again (round 13's prefill rows ran all on the last).
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import profile_gpu_step
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    profile_gpu_step = bench_module("profile_gpu_step")
     from zoo import fused_ops, model, triton_attention
 
-    for module, name in [(fused_ops, "GEMV_MAX_ROWS"), (fused_ops, "argmax"), (fused_ops, "PROJECTION_GEMV_MAX_ROWS"),
-                         (fused_ops, "FOLD_INTO_PROJECTIONS"), (fused_ops, "ADVANCE_KERNEL"),
-                         (fused_ops, "GEMV_ONE_ROW_CONFIGS"), (fused_ops, "WEIGHTS_FIRST"),
-                         (fused_ops, "FIRST_TILE_DEPTH"), (fused_ops, "add_rms_norm"),
-                         (triton_attention, "LAUNCH_PROGRAMS"), (triton_attention, "PDL"),
-                         (triton_attention, "CACHED_FIRST"), (triton_attention, "EARLY_TRIGGER"),
-                         (triton_attention, "_merge_splits_kernel"), (model, "paged_attention")]:
+    ablated = [(fused_ops, "add_rms_norm"), (triton_attention, "_merge_splits_kernel"), (model, "paged_attention")]
+    for module, name in profile_switches() + ablated:
         monkeypatch.setattr(module, name, getattr(module, name))  # each restored after the test
     seen = []
     monkeypatch.setattr(profile_gpu_step, "graph_time_ms", lambda llm, batch: 1.0)

@@ -75,6 +75,7 @@ PDL = True
 # cache positions of earlier steps with the step's inputs, which the PyTorch kernels that begin each step (no PDL)
 # put behind a full barrier. Not yet measured on the GPU: off.
 EARLY_TRIGGER = False
+TRIGGER_FIRST = 2  # the kernels' PDL constexpr under EARLY_TRIGGER (Triton's `if` takes no strings)
 
 
 @functools.cache
@@ -96,9 +97,6 @@ def pdl_options(device: torch.device) -> dict:
     if not launches_pdl(device):
         return {"PDL": False}
     return {"PDL": TRIGGER_FIRST if EARLY_TRIGGER else True, "launch_pdl": True}
-
-
-TRIGGER_FIRST = 2  # the kernels' PDL constexpr under EARLY_TRIGGER (Triton's `if` takes no strings)
 
 
 # Whether the decode kernel reads the first tile of its context before its PDL wait, but for the positions the
