@@ -24,6 +24,7 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET"):
     raise SystemExit("run without TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -175,22 +176,27 @@ def occupancy(tiles: list[tuple] | None) -> int:
     print(f"the benchmark's products at one row, compiled as launched (Triton {triton.__version__} here; the device's "
           f"Triton may allocate registers differently); FIRST_TILE_DEPTH {fused_ops.FIRST_TILE_DEPTH}")
     for name, kernel, pointers, (n, k), scalars in PRODUCTS:
-        for tile in tiles or [fused_ops.gemv_config(n, 1, k)]:
-            block_n, block_k, stages, warps = tile
-            paired = "PAIR" in [param.name for param in kernel.params]
-            if paired:  # the paired kernels take the tile's columns as two runs of PAIR rows
-                pair = min(block_n // 2, HEAD_DIM // 2 if kernel is fused_ops._qkv_rope_cache_kernel else 1 << 30)
-                width = dict(PAIR=pair, **fused_ops.row_tile(1, 2 * pair))
-                grid = n // 2 // pair
-                extra = (dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, HALF=HEAD_DIM // 2, HAS_ROPE=True)
-                         if kernel is fused_ops._qkv_rope_cache_kernel else {})
-                constexprs = dict(HAS_BIAS=False, IEEE=False, BLOCK_K=block_k, **width, **extra, **PRODUCT)
-            else:
-                grid = -(-n // block_n)
-                constexprs = dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  **fused_ops.row_tile(1, block_n), **PRODUCT)
-            first_k = fused_ops.first_tile_depth(block_k, k) if paired else block_k
-            constexprs["FIRST_K"] = first_k
+        for tile in tiles or [None]:
+            chosen = fused_ops.GEMV_ONE_ROW_CONFIGS
+            if tile is not None:  # every product on this tile, as bench/gemv_kernel.py's sweep forces it
+                fused_ops.GEMV_ONE_ROW_CONFIGS = {(1 << 62, 1 << 62): tile}
+            try:
+                tile = block_n, block_k, stages, warps = fused_ops.gemv_config(n, 1, k)
+                if kernel is fused_ops._gemv_kernel:
+                    grid, first_k = -(-n // block_n), block_k
+                    constexprs = dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, BLOCK_N=block_n,
+                                      BLOCK_K=block_k, FIRST_K=first_k, **fused_ops.row_tile(1, block_n), **PRODUCT)
+                else:  # the paired kernels, with the launch settings the runtime gives them (PDL: Hopper's)
+                    qkv = kernel is fused_ops._qkv_rope_cache_kernel
+                    launch = fused_ops._paired_launch(torch.empty(1, k, dtype=torch.bfloat16, device="meta"),
+                                                      torch.empty(n, k, dtype=torch.bfloat16, device="meta"), None,
+                                                      HEAD_DIM // 2 if qkv else 1 << 30)
+                    stages, warps = launch.pop("num_stages"), launch.pop("num_warps")
+                    grid, first_k = n // 2 // launch["PAIR"], launch["FIRST_K"]
+                    extra = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, HALF=HEAD_DIM // 2, HAS_ROPE=True) if qkv else {}
+                    constexprs = dict(launch, **extra, **PRODUCT)
+            finally:
+                fused_ops.GEMV_ONE_ROW_CONFIGS = chosen
             signature, constexprs, attrs = specialised_like_the_runtime(kernel, pointers, constexprs, scalars)
             options = {"num_warps": warps, "num_stages": stages, "launch_pdl": True}
             if kernel is fused_ops._qkv_rope_cache_kernel:
