@@ -18,9 +18,11 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
            --platform manylinux_2_12_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
   -d "$DEST/wheels" hydra-core==1.3.8 omegaconf==2.3.1 pyyaml pluggy setuptools==80.9.0 wheel==0.45.1 \
-  peft accelerate psutil \
-  fastapi starlette pydantic pydantic-core typing-extensions typing-inspection annotated-types anyio sniffio idna \
-  uvicorn h11 click uvloop httptools jinja2 markupsafe prometheus_client py-spy
+  peft accelerate psutil py-spy
+# The serve extra with what it needs, resolved by pip: fastapi's requirements grow between releases (0.165 added
+# opentelemetry-api, which a hand-kept list missed and the device could not install)
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
+  -d "$DEST/wheels" fastapi uvicorn uvloop httptools jinja2 prometheus_client
 "$PY" -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w "$DEST/wheels"
 if [ -d ../shared/anchors/gpt_fast ]; then
   rm -rf "$DEST/gpt_fast" && cp -r ../shared/anchors/gpt_fast "$DEST/gpt_fast"
