@@ -67,15 +67,10 @@ CASES = [
      dict(HAS_BIAS=True, ROUND_TO=tl.bfloat16, IEEE=False, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **PRODUCT), {}),
     ("gemv narrow, one row", fused_ops._gemv_kernel, {},
      dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, **PRODUCT), {}),
-    ("gemv narrow, one row, launching the next kernel first (EARLY_TRIGGER)", fused_ops._gemv_kernel, {},
-     dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048,
-          **dict(PRODUCT, PDL=triton_attention.TRIGGER_FIRST)), {}),
     ("gemv float32", fused_ops._gemv_kernel, {"X": "*fp32", "W": "*fp32", "Bias": "*fp32", "Out": "*fp32"},
      dict(HAS_BIAS=False, ROUND_TO=tl.float32, IEEE=True, DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, **PRODUCT), {}),
     ("gate_up_silu", fused_ops._gate_up_silu_kernel, {},
      dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, **PRODUCT), {}),
-    ("gate_up_silu, a first tile four deep (FIRST_TILE_DEPTH)", fused_ops._gate_up_silu_kernel, {},
-     dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, FIRST_K=512, **PRODUCT), {}),
     ("gate_up_silu, narrow", fused_ops._gate_up_silu_kernel, {},
      dict(HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), {}),
     ("qkv_rope_cache", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
@@ -174,7 +169,7 @@ def occupancy(tiles: list[tuple] | None) -> int:
     of ``tiles``): registers, the programs an SM holds, the grid in waves of the H200's 132 SMs, and the weight bytes
     each program loads before its PDL wait."""
     print(f"the benchmark's products at one row, compiled as launched (Triton {triton.__version__} here; the device's "
-          f"Triton may allocate registers differently); FIRST_TILE_DEPTH {fused_ops.FIRST_TILE_DEPTH}")
+          "Triton may allocate registers differently)")
     for name, kernel, pointers, (n, k), scalars in PRODUCTS:
         for tile in tiles or [None]:
             chosen = fused_ops.GEMV_ONE_ROW_CONFIGS
@@ -183,16 +178,16 @@ def occupancy(tiles: list[tuple] | None) -> int:
             try:
                 tile = block_n, block_k, stages, warps = fused_ops.gemv_config(n, 1, k)
                 if kernel is fused_ops._gemv_kernel:
-                    grid, first_k = -(-n // block_n), block_k
+                    grid = -(-n // block_n)
                     constexprs = dict(HAS_BIAS=False, ROUND_TO=tl.bfloat16, IEEE=False, BLOCK_N=block_n,
-                                      BLOCK_K=block_k, FIRST_K=first_k, **fused_ops.row_tile(1, block_n), **PRODUCT)
+                                      BLOCK_K=block_k, **fused_ops.row_tile(1, block_n), **PRODUCT)
                 else:  # the paired kernels, with the launch settings the runtime gives them (PDL: Hopper's)
                     qkv = kernel is fused_ops._qkv_rope_cache_kernel
                     launch = fused_ops._paired_launch(torch.empty(1, k, dtype=torch.bfloat16, device="meta"),
                                                       torch.empty(n, k, dtype=torch.bfloat16, device="meta"), None,
                                                       HEAD_DIM // 2 if qkv else 1 << 30)
                     stages, warps = launch.pop("num_stages"), launch.pop("num_warps")
-                    grid, first_k = n // 2 // launch["PAIR"], launch["FIRST_K"]
+                    grid = n // 2 // launch["PAIR"]
                     extra = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, HALF=HEAD_DIM // 2, HAS_ROPE=True) if qkv else {}
                     constexprs = dict(launch, **extra, **PRODUCT)
             finally:
@@ -207,7 +202,7 @@ def occupancy(tiles: list[tuple] | None) -> int:
             resident = programs_per_sm(registers, warps, shared)
             # bf16 bytes of the first weight tile, which a program loads before its wait: only the first wave's
             # programs are there to load it before the kernel before them ends
-            early = 2 * min(first_k, k) * block_n * min(grid, resident * H200_SMS)
+            early = 2 * min(block_k, k) * block_n * min(grid, resident * H200_SMS)
             print(f"  {name:38s} tile {tile}: {registers:3d} registers, {shared:6d} B shared, {resident:2d} programs "
                   f"an SM, {grid:5d} programs = {grid / (resident * H200_SMS):.2f} waves, "
                   f"{early / 2**20:5.1f} MB of {2 * n * k / 2**20:.1f} before the wait")
@@ -221,17 +216,11 @@ def main() -> int:
                         "registers and waves on the H200")
     p.add_argument("--tiles", nargs="+", default=None, metavar="N,K,STAGES,WARPS",
                    help="with --occupancy: these tiles for every product instead of fused_ops' choice")
-    p.add_argument("--first-depth", type=int, default=None, metavar="D",
-                   help="with --occupancy: fused_ops.FIRST_TILE_DEPTH, the depth of each program's first weight tile")
     args = p.parse_args()
-    if args.first_depth is not None:
-        fused_ops.FIRST_TILE_DEPTH = args.first_depth
     if args.occupancy:
         return occupancy([tuple(int(v) for v in tile.split(",")) for tile in args.tiles] if args.tiles else None)
     failed = []
     for name, kernel, pointers, constexprs, options in CASES:
-        if "FIRST_K" in [param.name for param in kernel.params]:  # the products' first tile: their tile's depth
-            constexprs = {"FIRST_K": constexprs["BLOCK_K"], **constexprs}
         launch = {"num_warps": 4, "num_stages": 3, **options}
         if constexprs.get("PDL"):
             launch["launch_pdl"] = True
@@ -247,10 +236,8 @@ def main() -> int:
         # CACHED_FIRST, the decode kernel's first tile of cached keys and values
         before_wait = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
         early = sum(before_wait.count(op) for op in ("ld.global", "cp.async"))
-        trigger_first = "griddepcontrol.launch_dependents" in before_wait
         print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions, "
-              f"{early} global loads before the PDL wait" + (", the next kernel launched before it" if trigger_first
-                                                             else ""), flush=True)
+              f"{early} global loads before the PDL wait", flush=True)
     if failed:
         print(f"{len(failed)} of {len(CASES)} kernels failed to compile for sm_90: {', '.join(failed)}")
         return 1

@@ -43,7 +43,7 @@ from gpu import SHAPE, write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, cached_first=False, first_depth=0, early_trigger=False)
+            one_row={}, weights_first=False, cached_first=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -103,14 +103,6 @@ for _name, _tile in (("down_8col", (8, 2048, 3, 4)), ("down_8warps", (4, 2048, 3
     VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 1 << 62): _tile})
 for _name, _tile in (("narrow_4col", (4, 2048, 3, 2)), ("narrow_4col_4warps", (4, 2048, 3, 4))):
     VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 2048): _tile})
-# Gate/up's first weight tile deeper than its 128 (fused_ops.FIRST_TILE_DEPTH): more of its bytes stream before the
-# wait, while the norm before it runs (8 MB at 256, 16 MB at 512 of its 64; 0.48 and 0.97 waves, Triton 3.9)
-for _depth in (256, 512):
-    VARIANTS[f"first{_depth}"] = dict(VARIANTS["current"], first_depth=_depth)
-# Each kernel letting the next launch at its start (triton_attention.EARLY_TRIGGER), alone and with gate/up's deeper
-# first tile, which could then stream during the attention, the merge and o
-VARIANTS["early_trigger"] = dict(VARIANTS["current"], early_trigger=True)
-VARIANTS["early_trigger_first512"] = dict(VARIANTS["current"], early_trigger=True, first_depth=512)
 # Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
 # the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
 # residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
@@ -158,8 +150,6 @@ def apply(variant: dict) -> None:
     fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
     triton_attention.CACHED_FIRST = variant["cached_first"]
-    fused_ops.FIRST_TILE_DEPTH = variant["first_depth"]
-    triton_attention.EARLY_TRIGGER = variant["early_trigger"]
     ablate(variant.get("ablate"))
 
 

@@ -28,8 +28,8 @@ def profile_switches() -> list:
 
     return ([(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
                                             "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
-                                            "WEIGHTS_FIRST", "FIRST_TILE_DEPTH")]
-            + [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST", "EARLY_TRIGGER")])
+                                            "WEIGHTS_FIRST")]
+            + [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST")])
 
 
 def test_throughput_script_runs(tmp_path):
@@ -176,11 +176,11 @@ def test_the_profiles_interleaved_prefills_run_on_their_own_variants_switches(mo
     seen = []
     monkeypatch.setattr(profile_gpu_step, "graph_time_ms", lambda llm, batch: 1.0)
     monkeypatch.setattr(profile_gpu_step, "prefill_time_ms", lambda llm, length, seed: seen.append(
-        (fused_ops.FIRST_TILE_DEPTH, model.paged_attention.__name__)) or 2.0)
+        (triton_attention.CACHED_FIRST, model.paged_attention.__name__)) or 2.0)
     variants = profile_gpu_step.VARIANTS
-    kept = [("current", None, variants["current"]), ("first512", None, variants["first512"]),
+    kept = [("current", None, variants["current"]), ("no_cached_first", None, variants["no_cached_first"]),
             ("no_attention", None, variants["no_attention"])]
     result = profile_gpu_step.interleaved_graph_times(kept, [1], 2, say=lambda text: None)
-    assert seen == [(0, "paged_attention"), (512, "paged_attention"), (0, "<lambda>")] * 2
-    assert result["first512 batch   1"]["median_ms"] == 1.0 and result["current prefill"]["median_ms"] == 2.0
+    assert seen == [(True, "paged_attention"), (False, "paged_attention"), (True, "<lambda>")] * 2
+    assert result["no_cached_first batch   1"]["median_ms"] == 1.0 and result["current prefill"]["median_ms"] == 2.0
     profile_gpu_step.apply(variants["current"])  # the ablation's stand-in goes before the originals come back

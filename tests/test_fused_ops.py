@@ -153,34 +153,6 @@ def test_qkv_rope_and_cache_write_is_the_product_then_the_rope_kernel(dtype, hea
     torch.testing.assert_close(cache, expected_cache, **exact)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
-def test_a_deeper_first_tile_gives_the_paired_products_as_before(dtype, rows, monkeypatch):
-    """FIRST_TILE_DEPTH: gate/up's and q/k/v's first weight tile four tiles deep, then tiles of BLOCK_K, over a K
-    that is not a multiple of either (masked): the same products, summed in another grouping."""
-    monkeypatch.setattr(fused_ops, "GEMV_CONFIGS", {1 << 62: (16, 32, 3, 4)})
-    monkeypatch.setattr(fused_ops, "GEMV_ONE_ROW_CONFIGS", {})
-    assert fused_ops.first_tile_depth(32, 300) == 32
-    g = torch.Generator().manual_seed(30 + rows)
-    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)
-    gate_up = torch.randn(2 * 40, 300, generator=g).to(DEVICE, dtype) / 10
-    heads, kv_heads, head_dim = 2, 1, 16
-    qkv = torch.randn((heads + 2 * kv_heads) * head_dim, 300, generator=g).to(DEVICE, dtype) / 10
-    slots = torch.arange(rows, device=DEVICE) * 3
-
-    def products():
-        cache = torch.zeros(2, 4, 4, kv_heads, head_dim, device=DEVICE, dtype=dtype)
-        q = fused_ops.qkv_rope_and_write_cache(x, qkv, None, None, None, cache[0], cache[1], slots, heads, kv_heads)
-        return fused_ops.gate_up_silu(x, gate_up, None), q, cache
-
-    before = products()
-    monkeypatch.setattr(fused_ops, "FIRST_TILE_DEPTH", 128)
-    assert fused_ops.first_tile_depth(32, 300) == 128 and fused_ops.first_tile_depth(32, 100) == 128
-    assert fused_ops.first_tile_depth(32, 60) == 64  # no deeper than K rounds up to
-    for got, expected in zip(products(), before):
-        torch.testing.assert_close(got, expected, **tolerance(dtype))
-
-
 def test_linear_past_the_row_limit_is_f_linear():
     x, weight = torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8)
     assert not fused_ops.gemv_fits(x, weight)
@@ -217,35 +189,19 @@ def test_projection_takes_the_kernel_up_to_its_row_limit(dtype, monkeypatch):
             torch.testing.assert_close(out, F.linear(x, weight, bias), atol=0, rtol=0)
 
 
-def test_early_trigger_is_the_kernels_pdl_constant_on_hopper(monkeypatch):
-    from zoo import triton_attention
-
-    monkeypatch.setattr(triton_attention, "launches_pdl", lambda device: True)
-    assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(triton_attention, "EARLY_TRIGGER", True)
-    assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": triton_attention.TRIGGER_FIRST, "launch_pdl": True}
-
-
 def test_no_programmatic_dependent_launch_off_hopper():
     # The kernels' PDL switch is a compile-time constant: off the GPU (the interpreter) it is off, and the launch
     # option is not passed at all.
     assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
-@pytest.mark.parametrize("name,projection_rows,fold,early_trigger", [
-    ("llama", 0, True, False), ("qwen2", 0, True, False), ("llama", 64, False, False), ("llama", 64, True, False),
-    ("qwen2", 64, True, False), ("llama", 64, True, True)])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, early_trigger,
-                                                   monkeypatch):
+@pytest.mark.parametrize("name,projection_rows,fold", [
+    ("llama", 0, True), ("qwen2", 0, True), ("llama", 64, False), ("llama", 64, True), ("qwen2", 64, True)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, monkeypatch):
     """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
     with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
     the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues. With early_trigger (Hopper only), each kernel lets the next launch before its own wait."""
-    from zoo import triton_attention
-
-    if early_trigger and not triton_attention.launches_pdl(torch.device(DEVICE)):
-        pytest.skip("programmatic dependent launch needs Hopper")
-    monkeypatch.setattr(triton_attention, "EARLY_TRIGGER", early_trigger)
+    products' epilogues."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
@@ -360,9 +316,6 @@ def test_every_kernel_compiles_for_the_h200():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("all ")
-    # only the EARLY_TRIGGER case lets the next kernel launch before its wait
-    assert [line.split(":")[0] for line in proc.stdout.splitlines() if "next kernel launched before it" in line] == [
-        "gemv narrow, one row, launching the next kernel first (EARLY_TRIGGER)"]
     # --occupancy: the benchmark's products compiled as the launcher specialises them (aligned pointers, rows == 1
     # a constant), so their loads vectorise as on the GPU; their registers read back from the cubin
     proc = subprocess.run([sys.executable, str(script), "--occupancy"], capture_output=True, text=True, env=env,

@@ -78,13 +78,6 @@ GEMV_ONE_ROW_CONFIGS: dict[tuple[int, int], tuple] = {(4096, 2048): (8, 2048, 3,
 # (programmatic dependent launch): weights are never written inside a step, so that tile streams while the
 # kernel before finishes, and a product after a short kernel (attention, a norm) starts with part of its bytes in.
 WEIGHTS_FIRST = True
-# How deep the first weight tile of each program of the paired products (gate/up; q/k/v's one-row tile is already
-# its whole rows) is, where deeper than its tile's BLOCK_K (0: the tile's own depth). With WEIGHTS_FIRST that tile
-# is what streams before the wait: gate/up's (64 columns by 128) is 4 of its 64 MB at one row, while the norm before
-# it leaves DRAM time for about 8. `bench/compile_sm90.py --occupancy --first-depth D` shows a depth's registers,
-# waves and bytes before the wait: 256 gives 8 MB at 0.48 waves, 512 16 MB at 0.97 (Triton 3.9). Not yet measured
-# on the GPU: off.
-FIRST_TILE_DEPTH = 0
 
 
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
@@ -104,12 +97,6 @@ def gemv_config(n: int, rows: int | None = None, k: int = 0) -> tuple:
         if one_row is not None:
             return one_row
     return next(config for width, config in sorted(GEMV_CONFIGS.items()) if n <= width)
-
-
-def first_tile_depth(block_k: int, k: int) -> int:
-    """The depth of a paired product's first weight tile: FIRST_TILE_DEPTH where that is deeper than its tile's
-    ``block_k``, but no deeper than K rounds up to."""
-    return max(block_k, min(FIRST_TILE_DEPTH, triton.next_power_of_2(k)))
 
 
 def row_tile(rows: int, block_n: int) -> dict:
@@ -217,25 +204,22 @@ if triton is not None:
     def _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w,
                         IEEE: tl.constexpr, DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr, FIRST_K: tl.constexpr):
-        # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32: a first tile FIRST_K
-        # deep (a multiple of BLOCK_K), then tiles of BLOCK_K. Waits for the kernel before (PDL) after loading the
-        # first weight tile when WEIGHTS_FIRST: no kernel of a step writes weights, so their first bytes may stream
-        # while that kernel finishes.
-        offs_first = tl.arange(0, FIRST_K)
-        first_ok = offs_first < k
-        w_first = W + cols[:, None] * stride_w + offs_first[None, :]
+                        PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+        # x [rows, k] times the weight rows ``cols`` over the whole of K, accumulated in float32. Waits for the
+        # kernel before (PDL) after loading the first weight tile when WEIGHTS_FIRST: no kernel of a step writes
+        # weights, so their first bytes may stream while that kernel finishes.
+        offs_k = tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k
+        w_first = W + cols[:, None] * stride_w + offs_k[None, :]
         if WEIGHTS_FIRST:
-            w_head = tl.load(w_first, mask=col_ok[:, None] & first_ok[None, :], other=0.0)
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             wait_for_previous_kernel(PDL)
         else:
             wait_for_previous_kernel(PDL)
-            w_head = tl.load(w_first, mask=col_ok[:, None] & first_ok[None, :], other=0.0)
-        x_head = tl.load(X + offs_m[:, None] * stride_x + offs_first[None, :],
-                         mask=row_ok[:, None] & first_ok[None, :], other=0.0)
-        acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_head, w_head, IEEE, DOT)
-        offs_k = tl.arange(0, BLOCK_K)
-        for start in range(FIRST_K, k, BLOCK_K):
+            w = tl.load(w_first, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + offs_m[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, IEEE, DOT)
+        for start in range(BLOCK_K, k, BLOCK_K):
             ks = start + offs_k
             k_ok = ks < k
             w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
@@ -247,7 +231,7 @@ if triton is not None:
     def _gemv_kernel(X, W, Bias, Out, rows, n, k, stride_x, stride_w, stride_o,
                      HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     WEIGHTS_FIRST: tl.constexpr, FIRST_K: tl.constexpr):
+                     WEIGHTS_FIRST: tl.constexpr):
         # One program: BLOCK_N output columns for every row, over the whole of K, so no partial sums leave it.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -256,7 +240,7 @@ if triton is not None:
         # (Prefetching all of this program's weights into L2 before the wait was tried: 0.3% at batch 1 for the
         # first 512 columns, 19% slower for all of them, profile_pdl_ab.txt. WEIGHTS_FIRST loads one tile.)
         acc = _stream_product(X, W, cols, col_ok, offs_m, row_ok, k, stride_x, stride_w, IEEE, DOT, BLOCK_M, BLOCK_N,
-                              BLOCK_K, PDL, WEIGHTS_FIRST, FIRST_K)
+                              BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(ROUND_TO).to(Out.dtype.element_ty)  # logits: rounded to the weights' dtype, stored wider
@@ -265,8 +249,7 @@ if triton is not None:
     @triton.jit
     def _paired_product(X, W, Bias, first, second, n, rows, k, stride_x, stride_w,
                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-                        FIRST_K: tl.constexpr):
+                        PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
         """Weight rows ``first + i`` and ``second + i`` (i < PAIR, first + i < n) as one tile, so that one program
         holds both halves of what an epilogue combines; returns them apart, rounded to the weights' dtype."""
         i = tl.arange(0, 2 * PAIR)
@@ -274,7 +257,7 @@ if triton is not None:
         col_ok = first + i % PAIR < n
         offs_m = tl.arange(0, BLOCK_M)
         acc = _stream_product(X, W, cols, col_ok, offs_m, offs_m < rows, k, stride_x, stride_w,
-                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST, FIRST_K)
+                              IEEE, DOT, BLOCK_M, 2 * PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(W.dtype.element_ty)
@@ -284,11 +267,11 @@ if triton is not None:
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                             WEIGHTS_FIRST: tl.constexpr, FIRST_K: tl.constexpr):
+                             WEIGHTS_FIRST: tl.constexpr):
         # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
         gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST, FIRST_K)
+                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         dtype = Out.dtype.element_ty
         gate = gate.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
@@ -303,7 +286,7 @@ if triton is not None:
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                               WEIGHTS_FIRST: tl.constexpr, FIRST_K: tl.constexpr):
+                               WEIGHTS_FIRST: tl.constexpr):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
         head = tl.program_id(0) // (HALF // PAIR)
@@ -312,7 +295,7 @@ if triton is not None:
         first = head * 2 * HALF + start
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
                                  rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL,
-                                 WEIGHTS_FIRST, FIRST_K)
+                                 WEIGHTS_FIRST)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
@@ -442,7 +425,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> torch.Tenso
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, ROUND_TO=_TL_DTYPES[weight.dtype],
         IEEE=weight.dtype == torch.float32, **row_tile(rows, block_n), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, FIRST_K=block_k, **pdl_options(x.device))
+        num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST, **pdl_options(x.device))
     return out
 
 
@@ -502,7 +485,7 @@ def _paired_launch(x: torch.Tensor, weight: torch.Tensor, bias, pair_limit: int)
     pair = min(block_n // 2, pair_limit)
     return dict(HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32, **row_tile(x.shape[0], 2 * pair),
                 PAIR=pair, BLOCK_K=block_k, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
-                FIRST_K=first_tile_depth(block_k, weight.shape[1]), **pdl_options(x.device))
+                **pdl_options(x.device))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

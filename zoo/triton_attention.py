@@ -65,17 +65,6 @@ def available() -> bool:
 # of the one before. Every program waits, even one with nothing to do: a grid that finished without waiting could
 # let the kernel after it run before the one before it. False turns it off (for A/B timings).
 PDL = True
-# Whether each kernel lets the next one launch at its start instead of after its wait. The next kernel's programs
-# then become resident, and load what they may load early (their first weight tile), while this kernel still waits
-# for the one before: a product two or three launches ahead streams its first weights during the short,
-# latency-bound kernels (attention, merge, norms) that leave DRAM idle. It stays correct: a kernel's wait returns
-# once the kernel before it has finished, which that kernel did only after its own wait returned; and a trigger
-# fires only once every program of its grid has started, so no waiting grid holds the SMs that the grid before it
-# needs. What a kernel reads before its wait must then be older than the step itself: weights, and CACHED_FIRST's
-# cache positions of earlier steps with the step's inputs, which the PyTorch kernels that begin each step (no PDL)
-# put behind a full barrier. Not yet measured on the GPU: off.
-EARLY_TRIGGER = False
-TRIGGER_FIRST = 2  # the kernels' PDL constexpr under EARLY_TRIGGER (Triton's `if` takes no strings)
 
 
 @functools.cache
@@ -92,11 +81,8 @@ def launches_pdl(device: torch.device) -> bool:
 
 
 def pdl_options(device: torch.device) -> dict:
-    """Launch options and the kernels' PDL switch for a launch on ``device``: False, True, or TRIGGER_FIRST
-    (EARLY_TRIGGER)."""
-    if not launches_pdl(device):
-        return {"PDL": False}
-    return {"PDL": TRIGGER_FIRST if EARLY_TRIGGER else True, "launch_pdl": True}
+    """Launch options and the kernels' PDL switch for a launch on ``device``."""
+    return {"PDL": True, "launch_pdl": True} if launches_pdl(device) else {"PDL": False}
 
 
 # Whether the decode kernel reads the first tile of its context before its PDL wait, but for the positions the
@@ -122,14 +108,10 @@ if triton is not None:
     @triton.jit
     def wait_for_previous_kernel(PDL: tl.constexpr):
         """Under PDL: wait until the kernel before this one has finished and its writes are visible, then let the
-        next one launch; with PDL == 2 (TRIGGER_FIRST, under EARLY_TRIGGER), let it launch first. A no-op
-        otherwise."""
+        next one launch. A no-op otherwise."""
         if PDL:
-            if PDL == 2:
-                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            if PDL != 2:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _attend_tile(q, k, v, valid, m, l, acc, scale, IEEE: tl.constexpr):
