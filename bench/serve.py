@@ -251,8 +251,15 @@ def main() -> int:
                         "engines get the same cores (e.g. --server-cpus 1 on a 2-core machine)")
     p.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="then N pairs, each the widest level and one LLM.generate run (built beside the idle server), "
-                        "and the median of their ratios: on a machine whose speed drifts, the fair comparison")
+                        "and the median of their ratios: on a machine whose speed drifts, the fair comparison. On "
+                        "CUDA both take 0.4 of the GPU's memory unless --runtime gpu_memory_utilization=F says")
     args = p.parse_args()
+    if args.interleave and not any(kv.startswith("gpu_memory_utilization=") for kv in args.runtime):
+        import torch
+
+        if torch.cuda.is_available():  # the idle server keeps its KV cache while LLM.generate builds its own beside it
+            args.runtime.append("gpu_memory_utilization=0.4")
+            print("--interleave on CUDA: gpu_memory_utilization=0.4 for the server and LLM.generate each", flush=True)
     if args.server_cpus:
         clients = set(os.sched_getaffinity(0)) - set(args.server_cpus)
         if not clients or not set(args.server_cpus) <= os.sched_getaffinity(0):
