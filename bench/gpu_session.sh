@@ -56,6 +56,15 @@ DEADLINE_S=${DEADLINE_S:-570}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset PYTHONPATH
 
+# The device's copy of the checkout carries a .git of an earlier sync (round 15's calls all named a34d481 while the
+# tree sent was later), so the environment also names the tree by its files' contents: `bash bench/gpu_session.sh
+# fingerprint` prints the same figure here for the same files.
+tree_fingerprint() {
+  (cd "$ROOT" && find zoo plugins conf bench tests -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.sh' \) \
+     -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-12)
+}
+[ "${1:-}" = fingerprint ] && { tree_fingerprint; exit 0; }
+
 QUICK=0
 PARTS=()
 for a in "$@"; do
@@ -106,7 +115,8 @@ note "session: parts=${PARTS[*]} quick=$QUICK rounds=$ROUNDS gpu_args='$GPU_ARGS
     --format=csv 2>&1
   "$PY" -c "import torch, triton, transformers, setuptools, pip; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else ''); print('triton', triton.__version__, 'transformers', transformers.__version__, 'setuptools', setuptools.__version__, 'pip', pip.__version__)" 2>&1
   nproc; free -g | head -2
-  echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null) (current tree, with uncommitted changes as sent)"
+  echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null) (the .git sent, maybe older than the tree);" \
+    "tree fingerprint $(tree_fingerprint) (bash bench/gpu_session.sh fingerprint)"
 } > "$STAGE/env.txt" 2>&1
 cat "$STAGE/env.txt"
 
