@@ -83,6 +83,9 @@ CASES = [
      dict(BLOCK=fused_ops.ARGMAX_BLOCK, **PDL), {}),
     ("argmax rows", fused_ops._argmax_rows_kernel, {"Values": "*fp32", "Indices": "*i32", "Out": "*i64"},
      dict(CHUNKS_PAD=32, **PDL), {}),
+    ("embedding", fused_ops._embedding_kernel, {"Ids": "*i64"}, dict(BLOCK=1024, **PDL), {}),
+    ("rotary tables", fused_ops._rotary_tables_kernel, {"Positions": "*i64", "InvFreq": "*fp32"},
+     dict(BLOCK=32, **PDL), {}),
     ("advance_decode_rows", fused_ops._advance_decode_kernel, {"*": "*i64"},
      dict(POSITION_ROWS=3, HAS_INDEX_IN_SEQUENCE=True, BLOCK=fused_ops.ADVANCE_BLOCK), {}),
     ("paged decode, GQA", triton_attention._paged_decode_kernel,
@@ -238,6 +241,9 @@ def main() -> int:
         early = sum(before_wait.count(op) for op in ("ld.global", "cp.async"))
         print(f"{name}: {len(ptx.splitlines())} lines of PTX, {ptx.count('mma.')} tensor-core instructions, "
               f"{early} global loads before the PDL wait", flush=True)
+        if "sin.approx" in ptx or "cos.approx" in ptx:  # the rotary tables must match PyTorch's cosf and sinf
+            failed.append(name)
+            print(f"FAILED {name}: approximate sin or cos instructions in its PTX", flush=True)
     if failed:
         print(f"{len(failed)} of {len(CASES)} kernels failed to compile for sm_90: {', '.join(failed)}")
         return 1

@@ -43,7 +43,7 @@ from gpu import SHAPE, write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, cached_first=False)
+            one_row={}, weights_first=False, cached_first=False, step_inputs=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -66,9 +66,9 @@ VARIANTS = {
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
     "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
-                    weights_first=True, cached_first=True),
+                    weights_first=True, cached_first=True, step_inputs=True),
     "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
-                           weights_first=True, cached_first=True),
+                           weights_first=True, cached_first=True, step_inputs=True),
     # round 11, before round 12 turned on the decode kernel's first tile of cached keys and values read before its
     # wait (triton_attention.CACHED_FIRST)
     "round11": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, one_row=DEEP_ROWS, weights_first=True),
@@ -93,6 +93,8 @@ VARIANTS = {
 # 0.926x (bench/results/gpu/round14/profile_norm_fold_prefetch_ablations_h200.txt).
 # Round 12's decode kernel without its first cached tile read before the PDL wait (triton_attention.CACHED_FIRST)
 VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
+# Round 16: the step's token embedding and rotary tables as nine PyTorch kernels, as before fused_ops.STEP_INPUT_KERNELS
+VARIANTS["no_step_inputs"] = dict(VARIANTS["current"], step_inputs=False)
 # One-row tiles inside the decode graph, where round 11 chose them from standalone calls on cold weights. Triton
 # streams these narrow tiles through registers (no shared-memory stages: num_stages changes nothing), so what sets
 # the programs an SM holds is registers: `bench/compile_sm90.py --occupancy --tiles ...` prints them, and the grid
@@ -150,6 +152,7 @@ def apply(variant: dict) -> None:
     fused_ops.GEMV_ONE_ROW_CONFIGS = variant["one_row"]
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
     triton_attention.CACHED_FIRST = variant["cached_first"]
+    fused_ops.STEP_INPUT_KERNELS = variant["step_inputs"]
     ablate(variant.get("ablate"))
 
 

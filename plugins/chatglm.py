@@ -17,7 +17,7 @@ import math
 import torch
 
 from zoo import ModelDescription, ZooError, hookimpl
-from zoo.model import Rotary, rotate_half, rotate_half_tables
+from zoo.model import Rotary, rotate_half
 from zoo_plugins.glm import GLM_BLOCK, convert_glm_layer, two_d_positions
 # GLM's request rules, as hook implementations of this plugin too: position_ids refused, a context plus
 # <sop> required, the context bidirectional. (The two plugins never take part in the same run.)
@@ -36,8 +36,7 @@ class TwoHalvesRotary(Rotary):
         return 1.0 / (self.description.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype):
-        return (rotate_half_tables(positions[0], self.inv_freq, dtype),
-                rotate_half_tables(positions[1], self.inv_freq, dtype))
+        return self.tables(positions[0], dtype), self.tables(positions[1], dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, tables):
         def rotate(x):

@@ -173,6 +173,34 @@ def test_argmax_kernel_matches_torch_argmax_on_ties_and_nan():
     assert out.tolist()[1:] == [7, 0, 9, vocab - 1]
 
 
+def test_embedding_kernel_is_the_clamped_lookup():
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(50, 1100, generator=g).to(DEVICE)  # 1100 wide: two column blocks, the second masked
+    ids = torch.tensor([0, 49, 50, 73, 12, 12], device=DEVICE)  # ids past the vocabulary take its last row
+    expected = F.embedding(ids.clamp(max=49), weight)
+    torch.testing.assert_close(fused_ops.embedding(ids, weight), expected, atol=0, rtol=0)
+    every_other = torch.stack([ids, ids]).t().reshape(-1)[::2]  # a strided view of ids
+    torch.testing.assert_close(fused_ops.embedding(every_other, weight), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_tables_kernel_matches_the_pytorch_tables(dtype):
+    """The tables for positions up to 131k, where cos and sin need a careful reduction of their argument. On the
+    GPU the kernel calls CUDA's cosf and sinf, as PyTorch's kernels do, and must give the same bits; the
+    interpreter's numpy may part from PyTorch's CPU functions by a float32 ulp."""
+    from zoo.model import rotate_half_tables
+    desc = ModelDescription("x", 50, 8 * 64, 1, 8, 8, 64, rope_theta=500000.0)
+    inv_freq = Rotary(desc).inv_freq.to(DEVICE)
+    positions = torch.tensor([[0, 1, 5, 4095, 8191, 65536, 131071]], device=DEVICE)
+    every_other = torch.stack([positions[0], positions[0]]).t().reshape(1, -1)[:, ::2]  # a strided row
+    expected = rotate_half_tables(positions[0], inv_freq, dtype)
+    bound = 0 if DEVICE == "cuda" else 3e-7
+    for row in (positions[0], every_other[0]):
+        for out, want in zip(fused_ops.rotate_half_tables(row, inv_freq, dtype), expected):
+            assert out.shape == want.shape == (7, 1, 64) and out.dtype == dtype
+            torch.testing.assert_close(out, want, atol=bound, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_projection_takes_the_kernel_up_to_its_row_limit(dtype, monkeypatch):
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", 4)
@@ -205,8 +233,8 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
-    calls = []  # the folding kernels that ran
-    for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu"):
+    calls = []  # the folding kernels and the step's input kernels that ran
+    for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu", "embedding", "rotate_half_tables"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
             calls.append(_name)
             return _kernel(*args)
@@ -220,7 +248,8 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
         assert out.token_ids == hf_greedy(model, prompt, 6)[0]
     assert llm.engine.advanced_in_place > 0  # overlapped steps' inputs advanced by fused_ops.advance_decode_rows
     folds_ran = fold and projection_rows > 0
-    assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set())
+    assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set()) | {
+        "embedding", "rotate_half_tables"}
 
 
 @pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])

@@ -80,6 +80,13 @@ GEMV_ONE_ROW_CONFIGS: dict[tuple[int, int], tuple] = {(4096, 2048): (8, 2048, 3,
 WEIGHTS_FIRST = True
 
 
+# Whether a step's first kernels, the token embedding (with its clamp of ids past the vocabulary) and the rotary
+# tables (positions to cos and sin: seven PyTorch ops), run as two Triton launches under programmatic dependent
+# launch instead of nine PyTorch kernels, which a graph replays one after another without overlap. The same bits:
+# the tables take CUDA's cosf and sinf, as PyTorch's kernels do.
+STEP_INPUT_KERNELS = True
+
+
 # Launch option of the rotary kernels: with Triton's default floating-point fusion, LLVM contracted one of
 # rotary's two rounded products into the add (fma.rn.bf16 in the PTX), so the result skipped a rounding that
 # PyTorch's ops make, and which product it took depended on the kernel: the rotary in the q/k/v epilogue then
@@ -175,6 +182,32 @@ if triton is not None:
                  mask=kv_mask)
         tl.store(VCache + cache_offsets + HALF,
                  tl.load(v_ptr + HALF, mask=kv_mask, other=0.0).to(VCache.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit
+    def _embedding_kernel(Ids, Weight, Out, vocab, hidden, stride_i, stride_w, stride_o, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        token = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        valid = cols < hidden
+        row = tl.minimum(tl.load(Ids + token * stride_i), vocab - 1)
+        tl.store(Out + token * stride_o + cols, tl.load(Weight + row * stride_w + cols, mask=valid), mask=valid)
+
+    @triton.jit
+    def _rotary_tables_kernel(Positions, InvFreq, Cos, Sin, half, stride_p, stride_t, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        token = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        valid = offs < half
+        # as rotate_half_tables: the position as float32 times each inverse frequency, one rounding
+        freqs = tl.load(Positions + token * stride_p).to(tl.float32) * tl.load(InvFreq + offs, mask=valid, other=0.0)
+        # On CUDA tl.cos and tl.sin call libdevice's cosf and sinf, as PyTorch's kernels do, not the approximate
+        # instructions, whose error grows with the argument (positions reach 10^5 radians)
+        cos, sin = tl.cos(freqs).to(Cos.dtype.element_ty), tl.sin(freqs).to(Sin.dtype.element_ty)
+        for start in tl.static_range(2):  # the table holds the frequencies twice, [freqs, freqs]
+            tl.store(Cos + token * stride_t + start * half + offs, cos, mask=valid)
+            tl.store(Sin + token * stride_t + start * half + offs, sin, mask=valid)
 
     @triton.jit
     def _silu_mul_kernel(GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -553,6 +586,27 @@ def rope_and_write_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping
         KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HALF=head_dim // 2, HAS_ROPE=has_rope,
         **pdl_options(q.device), **EXACT_ROUNDING)
     return q
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids.clamp(max=vocab - 1), weight)`` for ``ids: [T]``, in one launch."""
+    vocab, hidden = weight.shape
+    out = torch.empty(ids.shape[0], hidden, dtype=weight.dtype, device=weight.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _embedding_kernel[(ids.shape[0], triton.cdiv(hidden, block))](
+        ids, weight, out, vocab, hidden, ids.stride(0), weight.stride(0), out.stride(0), BLOCK=block, **pdl_options(out.device))
+    return out
+
+
+def rotate_half_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """``zoo.model.rotate_half_tables`` in one launch: (cos, sin), each ``[T, 1, 2 * len(inv_freq)]``, for
+    ``positions: [T]``."""
+    tokens, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(tokens, 1, 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    _rotary_tables_kernel[(tokens,)](positions, inv_freq, cos, sin, half, positions.stride(0), cos.stride(0),
+                                     BLOCK=triton.next_power_of_2(half), **pdl_options(cos.device))
+    return cos, sin
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

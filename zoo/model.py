@@ -193,6 +193,7 @@ class Rotary(nn.Module):
         super().__init__()
         self.description = desc
         self.register_buffer("inv_freq", self.inverse_frequencies(), persistent=False)
+        self.fused = False  # set by DecoderModel.use_fused_ops
 
     def inverse_frequencies(self) -> torch.Tensor:
         return rope_inverse_frequencies(self.description)
@@ -201,7 +202,14 @@ class Rotary(nn.Module):
         self.inv_freq = self.inverse_frequencies().to(device)
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rotate_half_tables(positions[0], self.inv_freq, dtype)
+        return self.tables(positions[0], dtype)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``rotate_half_tables`` for one row of positions at this module's frequencies: with fused ops on, one
+        Triton launch instead of seven PyTorch kernels, the same bits."""
+        if self.fused and fused_ops.STEP_INPUT_KERNELS:
+            return fused_ops.rotate_half_tables(positions, self.inv_freq, dtype)
+        return rotate_half_tables(positions, self.inv_freq, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, tables):
         cos, sin = tables
@@ -577,7 +585,10 @@ class DecoderModel(nn.Module):
         # convention): an in-range embedding stands in until zoo_embed_modify writes the row.
         rows = self.model.embed_tokens.num_embeddings
         if self.parallel is None:
-            return self.model.embed_tokens(input_ids.clamp(max=rows - 1))
+            embed = self.model.embed_tokens
+            if self.fused and fused_ops.STEP_INPUT_KERNELS and type(embed) is nn.Embedding and embed.max_norm is None:
+                return fused_ops.embedding(input_ids, embed.weight)
+            return embed(input_ids.clamp(max=rows - 1))
         # This rank holds vocabulary rows [start, start + rows): the others' ids embed to zero, and the
         # all-reduce puts every row together.
         local = input_ids - self.parallel.vocab_start(rows)
@@ -610,7 +621,7 @@ class DecoderModel(nn.Module):
         head_ok = desc.head_dim % 2 == 0 and (desc.head_dim // 2) & (desc.head_dim // 2 - 1) == 0
         self.fused = on
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP, FusedLinear)):
+            if isinstance(module, (RMSNorm, MLP, FusedLinear, Rotary)):
                 module.fused = on
             elif isinstance(module, Attention):
                 module.fused = on and head_ok
