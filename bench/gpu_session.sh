@@ -15,6 +15,8 @@
 #                                            `profile` = bench/profile_gpu_step.py (PROFILE_ARGS, PROFILE_CAP_S)
 #                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
 #                                            `norm_gemv` = bench/norm_gemv.py (the norm folded into the GEMV)
+#                                            `barrier` = bench/grid_barrier.py (BARRIER_ARGS, BARRIER_CAP_S): a
+#                                            kernel boundary against a persistent kernel's grid barrier
 #                                            `offline` = bench/profile_offline.py (OFFLINE_ARGS, OFFLINE_CAP_S)
 #                                            `arrivals` = bench/arrivals.py --llama-1b (ARRIVALS_ARGS, default:
 #                                            mixed graphs against none; ARRIVALS_CAP_S)
@@ -72,7 +74,7 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec|lora|profile|gemv|norm_gemv|serve|offline|arrivals) PARTS+=("$a") ;;
+    gpu|cpu|tests|anchor|spec|lora|profile|gemv|norm_gemv|barrier|serve|offline|arrivals) PARTS+=("$a") ;;
     -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -265,6 +267,8 @@ if want gemv; then
 fi
 want norm_gemv && run_part "norm_gemv" 120 "$STAGE/norm_gemv.log" \
   with_tree current "$PY" "$ROOT/bench/norm_gemv.py" --out "$OUT/norm_gemv.txt"
+want barrier && run_part "grid_barrier" "${BARRIER_CAP_S:-150}" "$OUT/grid_barrier.txt" \
+  with_tree current "$PY" "$ROOT/bench/grid_barrier.py" --out "$OUT/grid_barrier.json" ${BARRIER_ARGS:-}
 
 # shellcheck disable=SC2086
 want offline && bench_part profile_offline "${OFFLINE_CAP_S:-300}" profile_offline.py offline ${OFFLINE_ARGS:-}

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "throughput.py"
 
 
@@ -28,7 +30,7 @@ def profile_switches() -> list:
 
     return ([(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
                                             "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
-                                            "WEIGHTS_FIRST")]
+                                            "WEIGHTS_FIRST", "STEP_INPUT_KERNELS")]
             + [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST")])
 
 
@@ -184,3 +186,21 @@ def test_the_profiles_interleaved_prefills_run_on_their_own_variants_switches(mo
     assert seen == [(True, "paged_attention"), (False, "paged_attention"), (True, "<lambda>")] * 2
     assert result["no_cached_first batch   1"]["median_ms"] == 1.0 and result["current prefill"]["median_ms"] == 2.0
     profile_gpu_step.apply(variants["current"])  # the ablation's stand-in goes before the originals come back
+
+
+def test_grid_barrier_benchmark_agrees_with_its_reference_on_cpu(tmp_path):
+    """bench/grid_barrier.py's two ways of running the phases (a launch each, or one persistent kernel with
+    barriers) give the sums torch computes, in Triton's interpreter with one program."""
+    pytest.importorskip("triton")
+    out = tmp_path / "barrier.json"
+    script = SCRIPT.parent / "grid_barrier.py"
+    proc = subprocess.run([sys.executable, str(script), "--phases", "3", "--mb", "0", "0.05", "--block", "64",
+                           "--out", str(out)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("both ways give the expected sums") == 2
+    report = json.loads(out.read_text())
+    assert report["programs"] == 1 and [case["per_program_bytes"] for case in report["cases"]] == [128, 52352]
+    refused = subprocess.run([sys.executable, str(script), "--programs", "2"], capture_output=True, text=True,
+                             timeout=180, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert refused.returncode == 2 and "never opens" in refused.stderr
