@@ -594,7 +594,8 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(ids.shape[0], hidden, dtype=weight.dtype, device=weight.device)
     block = min(1024, triton.next_power_of_2(hidden))
     _embedding_kernel[(ids.shape[0], triton.cdiv(hidden, block))](
-        ids, weight, out, vocab, hidden, ids.stride(0), weight.stride(0), out.stride(0), BLOCK=block, **pdl_options(out.device))
+        ids, weight, out, vocab, hidden, ids.stride(0), weight.stride(0), out.stride(0), BLOCK=block,
+        **pdl_options(out.device))
     return out
 
 
