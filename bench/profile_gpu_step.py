@@ -263,16 +263,20 @@ def prefill_time_ms(llm, length: int, seed: int) -> float:
 
 
 def interleaved_graph_times(kept, batches, rounds, say, prefill_length: int = 2040) -> dict:
-    """Each variant's decode graph replay time and a whole-prompt prefill, variants interleaved round by round
-    (A B C A B C ...), so that a drift of the machine over the run falls on all of them alike; medians, and
-    ratios to the first variant. (A prompt's prefill is an eager step: its time includes the host's, and it runs with
-    its variant's switches set again, since the module switches are read as it launches; the graphs hold theirs.)"""
+    """Each variant's decode graph replay time and a whole-prompt prefill, variants interleaved round by round,
+    in turn forwards and backwards (A B C, C B A, ...), so that a drift of the machine over the run, and whatever
+    favours a place in the order, fall on all of them alike; medians, and ratios to the first variant. (Round 16's
+    prefills, always in one order, gave the second of two variants 0.1-0.3 ms less in almost every round, also
+    where the two differed only in decode tiles.) A prompt's prefill replays a prompt graph where
+    runtime.prompt_graph_tokens covers it, else runs eagerly; its time includes the host's, and it runs with its
+    variant's switches set again, since the module switches are read as it launches."""
     times = {(key, batch): [] for key, _, _ in kept for batch in [*batches, "prefill"]}
     for r in range(rounds):
+        order = kept if r % 2 == 0 else kept[::-1]
         for batch in batches:
-            for key, llm, _ in kept:
+            for key, llm, _ in order:
                 times[(key, batch)].append(graph_time_ms(llm, batch))
-        for key, llm, variant in kept:
+        for key, llm, variant in order:
             apply(variant)
             times[(key, "prefill")].append(prefill_time_ms(llm, prefill_length, seed=r))
     say(f"=== interleaved, {rounds} rounds, median ms (ratio to {kept[0][0]}): decode graph replays (20 a round) "

@@ -168,7 +168,8 @@ def test_the_profiles_interleaved_engines_are_refused_where_they_cannot_fit():
 
 def test_the_profiles_interleaved_prefills_run_on_their_own_variants_switches(monkeypatch):
     # The graphs hold the switches they were captured with; an eager prefill reads the module switches as it
-    # launches, so each variant's prefill runs with its own set again (round 13's prefill rows ran all on the last).
+    # launches, so each variant's prefill runs with its own set again (round 13's prefill rows ran all on the last),
+    # and the rounds take the variants forwards and backwards in turn.
     profile_gpu_step = bench_module("profile_gpu_step")
     from zoo import fused_ops, model, triton_attention
 
@@ -183,7 +184,8 @@ def test_the_profiles_interleaved_prefills_run_on_their_own_variants_switches(mo
     kept = [("current", None, variants["current"]), ("no_cached_first", None, variants["no_cached_first"]),
             ("no_attention", None, variants["no_attention"])]
     result = profile_gpu_step.interleaved_graph_times(kept, [1], 2, say=lambda text: None)
-    assert seen == [(True, "paged_attention"), (False, "paged_attention"), (True, "<lambda>")] * 2
+    forwards = [(True, "paged_attention"), (False, "paged_attention"), (True, "<lambda>")]
+    assert seen == forwards + forwards[::-1]  # the second round in the other order
     assert result["no_cached_first batch   1"]["median_ms"] == 1.0 and result["current prefill"]["median_ms"] == 2.0
     profile_gpu_step.apply(variants["current"])  # the ablation's stand-in goes before the originals come back
 
