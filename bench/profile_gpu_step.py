@@ -266,7 +266,7 @@ def interleaved_graph_times(kept, batches, rounds, say, prefill_length: int = 20
     """Each variant's decode graph replay time and a whole-prompt prefill, variants interleaved round by round,
     in turn forwards and backwards (A B C, C B A, ...), so that a drift of the machine over the run, and whatever
     favours a place in the order, fall on all of them alike; medians, and ratios to the first variant. (Round 16's
-    prefills, always in one order, gave the second of two variants 0.1-0.3 ms less in almost every round, also
+    prefills, always in one order, gave the second of two variants 0.05-0.9 ms less in every round, also
     where the two differed only in decode tiles.) A prompt's prefill replays a prompt graph where
     runtime.prompt_graph_tokens covers it, else runs eagerly; its time includes the host's, and it runs with its
     variant's switches set again, since the module switches are read as it launches."""
