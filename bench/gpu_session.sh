@@ -40,7 +40,7 @@
 # Output in $OUT (at most 8 files come back from the device; two folder levels):
 #   base/gpu_rounds.json, current/gpu_rounds.json      list of bench/gpu.py records, one per round
 #   base/throughput.json, current/throughput.json      bench/throughput.py --json
-#   pytest_cuda.txt                                    test_gpu.py, then the whole suite with -x (PYTEST_X= : without; SUITE=0: test_gpu.py only; GPU_TESTS: other files for that first part, GPU_TESTS_CAP_S its time (240 s), GPU_TESTS_ARGS more pytest arguments for it, e.g. "-n 2 --dist loadfile"; SUITE_ARGS: more pytest arguments for the suite, e.g. "-n 4 --dist loadfile": the device has pytest-xdist)
+#   pytest_cuda.txt                                    test_gpu.py, then the whole suite with -x (PYTEST_X= : without; SUITE=0: test_gpu.py only; GPU_TESTS: other files for that first part, GPU_TESTS_CAP_S its time (240 s), GPU_TESTS_ARGS more pytest arguments for it, e.g. "-n 2 --dist loadfile"; SUITE_ARGS: more pytest arguments for the suite, e.g. "-n 2 --dist loadfile": the device has pytest-xdist; four workers ran engine-heavy files out of an H100's memory)
 #   summary.txt                                        the table printed at the end
 #   logs.tgz                                           every log, gpu.md/png, pip output, the environment
 #   results.tgz                                        where the parts wrote more than 8 files: all but the three above
