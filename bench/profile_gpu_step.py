@@ -328,13 +328,19 @@ def profile_decode(llm, batch, steps, table_rows, say) -> dict:
     llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
     spent, unwrap = host_split(engine)
     runs = {}
-    for new_tokens in (33, 33 + steps):  # the difference of two runs: decode steps only, no prefill or ramp
-        spent.clear()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-        torch.cuda.synchronize()
-        runs[new_tokens] = (time.perf_counter() - start, dict(spent))
+    # The difference of two runs: decode steps only, no prefill or ramp. Each run is the faster of two, the lengths
+    # interleaved: round 16's single runs put a batch-1 step at 0.826 ms against a 1.09-ms graph replay, the short
+    # run's host parts (prepare) longer than the long run's.
+    for _ in range(2):
+        for new_tokens in (33, 33 + steps):
+            spent.clear()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            if new_tokens not in runs or seconds < runs[new_tokens][0]:
+                runs[new_tokens] = (seconds, dict(spent))
     unwrap()
     (short_s, short), (long_s, long) = runs[33], runs[33 + steps]
     step_ms = 1000 * (long_s - short_s) / steps
