@@ -43,8 +43,7 @@ from gpu import SHAPE, write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, cached_first=False, step_inputs=False, merge_in_decode=False,
-            blocks_per_split=4)
+            one_row={}, weights_first=False, cached_first=False, step_inputs=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -96,11 +95,6 @@ VARIANTS = {
 VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
 # Round 16: the step's token embedding and rotary tables as nine PyTorch kernels, as before fused_ops.STEP_INPUT_KERNELS
 VARIANTS["no_step_inputs"] = dict(VARIANTS["current"], step_inputs=False)
-# Round 17: the decode kernel's last lane of each (token, KV head) merging the splits (triton_attention.MERGE_IN_DECODE),
-# so that no merge kernel runs; and splits of 8 blocks read as one tile (half the lanes and partial results)
-VARIANTS["merge_in_decode"] = dict(VARIANTS["current"], merge_in_decode=True)
-VARIANTS["split_8"] = dict(VARIANTS["current"], blocks_per_split=8)
-VARIANTS["merge_in_decode_split_8"] = dict(VARIANTS["current"], merge_in_decode=True, blocks_per_split=8)
 # One-row tiles inside the decode graph, where round 11 chose them from standalone calls on cold weights. Triton
 # streams these narrow tiles through registers (no shared-memory stages: num_stages changes nothing), so what sets
 # the programs an SM holds is registers: `bench/compile_sm90.py --occupancy --tiles ...` prints them, and the grid
@@ -159,9 +153,6 @@ def apply(variant: dict) -> None:
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
     triton_attention.CACHED_FIRST = variant["cached_first"]
     fused_ops.STEP_INPUT_KERNELS = variant["step_inputs"]
-    triton_attention.MERGE_IN_DECODE = variant["merge_in_decode"]
-    # one tile a split: BLOCKS_PER_ITER must divide BLOCKS_PER_SPLIT
-    triton_attention.BLOCKS_PER_SPLIT = triton_attention.BLOCKS_PER_ITER = variant["blocks_per_split"]
     ablate(variant.get("ablate"))
 
 

@@ -175,26 +175,6 @@ def test_graphs_on_and_off_give_identical_tokens(checkpoints, dtype):
     assert runs["graphs"] == runs["eager"]
 
 
-def test_splits_merged_in_the_decode_kernel_give_the_tokens_of_the_merge_kernel(checkpoints, monkeypatch):
-    """triton_attention.MERGE_IN_DECODE under graphs: the decode kernel's last lane merges as the merge kernel does,
-    and its counts start every replay at 0. The tiny model's 2 KV heads keep every decode step here (graphs up to
-    32 rows) within MERGE_IN_DECODE_MAX_PAIRS (token, KV head) pairs, where it applies."""
-    from zoo import triton_attention
-
-    folder, _ = checkpoints["llama"]
-    prompts = prompt_set() * 3
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    runs = {}
-    for merge in (False, True):
-        monkeypatch.setattr(triton_attention, "MERGE_IN_DECODE", merge)
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16")
-        runs[merge] = [o.token_ids for o in llm.generate(prompts, params)]
-        runs[merge, "one"] = llm.generate(prompts[:1], params)[0].token_ids
-        del llm
-    assert runs[True] == runs[False] and runs[True, "one"] == runs[False, "one"]
-    assert not triton_attention._arrivals(torch.device("cuda")).any()
-
-
 def test_overlapped_steps_give_the_tokens_of_ordinary_steps_under_graphs(checkpoints):
     """runtime.overlap_steps on CUDA: the next step's inputs copied on the device, the tokens through a pinned
     buffer and an event, graph outputs overwritten by the next replay before the commit."""

@@ -35,13 +35,30 @@ def reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_
     return out
 
 
-def decode_problem(dtype, heads, kv_heads):
-    """Three sequences' paged caches and a step's queries: a long plain decode (spans two splits), a short one,
-    and one verifying a draft tree."""
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 8)])
+# launch_programs 1: one lane per (token, KV head), which loops over every split of the context;
+# wide_rows 1: the wide splits (WIDE_BLOCKS_PER_SPLIT blocks) that large batches take
+# cached_first: each lane's first tile read before the PDL wait, but for the positions the step may write; "wide":
+# on, in a step of as many (token, KV head) pairs as CACHED_FIRST_MAX_PAIRS, from which it reads nothing early
+@pytest.mark.parametrize("blocks_per_iter, launch_programs, wide_rows, cached_first",
+                         [(*launch, cached_first) for launch in [(1, 2048, 512), (2, 2048, 512), (4, 2048, 512),
+                                                                 (4, 1, 512), (4, 2048, 1), (2, 1, 1)]
+                          for cached_first in (False, True)] + [(4, 2048, 512, "wide")])
+def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_iter, launch_programs, wide_rows,
+                                        cached_first, monkeypatch):
+    monkeypatch.setattr(triton_attention, "CACHED_FIRST", bool(cached_first))
+    monkeypatch.setattr(triton_attention, "CACHED_FIRST_MAX_PAIRS", 7 * kv_heads if cached_first == "wide" else 64)
+    monkeypatch.setattr(triton_attention, "BLOCKS_PER_ITER", blocks_per_iter)
+    monkeypatch.setattr(triton_attention, "LAUNCH_PROGRAMS", launch_programs)
+    monkeypatch.setattr(triton_attention, "WIDE_ROWS", wide_rows)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter computes bf16 dot products wrongly; checked on the GPU run")
     g = torch.Generator().manual_seed(heads + kv_heads)
     bs, head_dim, num_blocks = 16, 32, 40
     key_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
     value_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    # three sequences: a long plain decode (spans two splits), a short one, and one verifying a draft tree
     lengths = [300, 5, 40]
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables = torch.zeros(3, 20, dtype=torch.int64)
@@ -64,30 +81,6 @@ def decode_problem(dtype, heads, kv_heads):
     context_lens = torch.tensor(lengths)
     q = torch.randn(len(token_seq), heads, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
-    return q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start, visible, scale
-
-
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 8)])
-# launch_programs 1: one lane per (token, KV head), which loops over every split of the context;
-# wide_rows 1: the wide splits (WIDE_BLOCKS_PER_SPLIT blocks) that large batches take
-# cached_first: each lane's first tile read before the PDL wait, but for the positions the step may write; "wide":
-# on, in a step of as many (token, KV head) pairs as CACHED_FIRST_MAX_PAIRS, from which it reads nothing early
-@pytest.mark.parametrize("blocks_per_iter, launch_programs, wide_rows, cached_first",
-                         [(*launch, cached_first) for launch in [(1, 2048, 512), (2, 2048, 512), (4, 2048, 512),
-                                                                 (4, 1, 512), (4, 2048, 1), (2, 1, 1)]
-                          for cached_first in (False, True)] + [(4, 2048, 512, "wide")])
-def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_iter, launch_programs, wide_rows,
-                                        cached_first, monkeypatch):
-    monkeypatch.setattr(triton_attention, "CACHED_FIRST", bool(cached_first))
-    monkeypatch.setattr(triton_attention, "CACHED_FIRST_MAX_PAIRS", 7 * kv_heads if cached_first == "wide" else 64)
-    monkeypatch.setattr(triton_attention, "BLOCKS_PER_ITER", blocks_per_iter)
-    monkeypatch.setattr(triton_attention, "LAUNCH_PROGRAMS", launch_programs)
-    monkeypatch.setattr(triton_attention, "WIDE_ROWS", wide_rows)
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("Triton's interpreter computes bf16 dot products wrongly; checked on the GPU run")
-    q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start, visible, scale = \
-        decode_problem(dtype, heads, kv_heads)
     expected = reference(q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start,
                          visible, scale)
     args = [x.to(DEVICE) for x in (q, key_cache, value_cache, tables, context_lens, token_seq, query_index,
@@ -95,10 +88,9 @@ def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_
     # What the kernel may read before its PDL wait (CACHED_FIRST) comes from copies whose slots of this step's
     # tokens (each sequence's last ones, one per query token) are NaN, as if the kernel before had not yet
     # written them: the result must not see them.
-    bs = key_cache.shape[1]
-    new_tokens = torch.bincount(token_seq, minlength=len(context_lens))
+    new_tokens = torch.bincount(token_seq, minlength=len(lengths))
     before_step = [cache.clone() for cache in (key_cache, value_cache)]
-    for b, n in enumerate(context_lens.tolist()):
+    for b, n in enumerate(lengths):
         for j in range(n - int(new_tokens[b]), n):
             for cache in before_step:
                 cache[tables[b, j // bs], j % bs] = float("nan")
@@ -112,26 +104,3 @@ def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, blocks_per_
         cache[tables[0, 0], 0] = float("nan")
     spoiled = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True, caches_before_step=early)
     assert bool(spoiled[0].isnan().any()) == (cached_first is True)
-
-
-# launch_programs 1: one lane loops over all of a context's splits, so it alone counts in; 2048: a lane per split
-@pytest.mark.parametrize("launch_programs, blocks_per_iter", [(2048, 4), (1, 4), (16, 2)])
-def test_merge_in_decode_matches_merge_kernel(launch_programs, blocks_per_iter, monkeypatch):
-    """MERGE_IN_DECODE: the last lane of each (token, KV head) to store its splits merges them, bit for bit as the
-    merge kernel does, and leaves the counts at 0 for the next launch (run twice)."""
-    monkeypatch.setattr(triton_attention, "LAUNCH_PROGRAMS", launch_programs)
-    monkeypatch.setattr(triton_attention, "BLOCKS_PER_ITER", blocks_per_iter)
-    q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start, visible, scale = \
-        decode_problem(torch.float32, 8, 2)
-    args = [x.to(DEVICE) for x in (q, key_cache, value_cache, tables, context_lens, token_seq, query_index,
-                                   draft_start, visible)]
-    monkeypatch.setattr(triton_attention, "MERGE_IN_DECODE", False)
-    separate = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True)
-    monkeypatch.setattr(triton_attention, "MERGE_IN_DECODE", True)
-    for _ in range(2):
-        merged = triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True)
-        assert torch.equal(merged, separate)
-        assert not triton_attention._arrivals(torch.device(DEVICE)).any()
-    # above MERGE_IN_DECODE_MAX_PAIRS (token, KV head) pairs the merge kernel runs, and gives the same
-    monkeypatch.setattr(triton_attention, "MERGE_IN_DECODE_MAX_PAIRS", 4)
-    assert torch.equal(triton_attention.paged_decode_attention(*args, scale=scale, has_tree=True), separate)

@@ -97,13 +97,6 @@ CACHED_FIRST = True
 # 27982 against 32886 (bench/results/gpu/round14/gpu_cached_first_ab_h100.json).
 CACHED_FIRST_MAX_PAIRS = 64
 
-# Whether the decode kernel merges its splits itself: each (token, KV head)'s working lanes count themselves in
-# once their partial results are stored, and the last to arrive merges the group's heads, so the step has no
-# merge launch (one all-to-all dependency fewer a layer). Only below MERGE_IN_DECODE_MAX_PAIRS (token, KV head)
-# pairs a step, where a few lanes per pair work: the counts live in one small buffer per device.
-MERGE_IN_DECODE = False
-MERGE_IN_DECODE_MAX_PAIRS = 64
-
 
 # The partial results' strides follow the step's split count. Triton would compile a variant per stride class
 # (1, a multiple of 16, other), which mixed steps of a server meet one by one, each a compile of 100+ ms in the
@@ -139,43 +132,19 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l, acc
 
-    @triton.jit
-    def _merge_head(OutPartial, LsePartial, Out, token, head, visible, stride_ot, stride_oh, stride_os, stride_lt,
-                    stride_lh, stride_t, stride_h, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                    SPLIT_TOKENS: tl.constexpr, FROM_L2: tl.constexpr):
-        # One head's splits, each weighted by its share of the softmax mass. FROM_L2: the partial results were
-        # stored by other programs of the same launch, whose writes L1 does not see.
-        offs_s = tl.arange(0, SPLITS_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        valid = offs_s * SPLIT_TOKENS < visible  # the splits the decode kernel wrote
-        lse_at = LsePartial + token * stride_lt + head * stride_lh + offs_s
-        partial_at = (OutPartial + token * stride_ot + head * stride_oh + offs_s[:, None] * stride_os
-                      + offs_d[None, :])
-        if FROM_L2:
-            lse = tl.load(lse_at, mask=valid, other=float("-inf"), cache_modifier=".cg")
-            partial = tl.load(partial_at, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        else:
-            lse = tl.load(lse_at, mask=valid, other=float("-inf"))
-            partial = tl.load(partial_at, mask=valid[:, None], other=0.0)
-        weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always sees a token, so the max is finite
-        weights = weights / tl.sum(weights, 0)
-        out = tl.sum(partial * weights[:, None], 0)
-        tl.store(Out + token * stride_t + head * stride_h + offs_d, out.to(Out.dtype.element_ty))
-
     @triton.jit(do_not_specialize=SPLIT_STRIDES)
     def _paged_decode_kernel(
-        Q, KCache, VCache, KEarly, VEarly, OutPartial, LsePartial, Out, Arrivals,
+        Q, KCache, VCache, KEarly, VEarly, OutPartial, LsePartial,
         BlockTables, ContextLens, TokenSeq, QueryCacheIndex, DraftStart, DraftVisible,
         scale,
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_bt, stride_vt,
         stride_ot, stride_oh, stride_os,
-        stride_lt, stride_lh, stride_t, stride_h,
+        stride_lt, stride_lh,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCKS_PER_SPLIT: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, HAS_TREE: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr, CACHED_FIRST: tl.constexpr, MERGE: tl.constexpr,
-        SPLITS_PAD: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr, CACHED_FIRST: tl.constexpr,
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -251,18 +220,6 @@ if triton is not None:
                 tl.store(OutPartial + token * stride_ot + heads[:, None] * stride_oh + split * stride_os
                          + offs_d[None, :], out, mask=group_mask[:, None])
                 tl.store(LsePartial + token * stride_lt + heads * stride_lh + split, lse, mask=group_mask)
-            if MERGE:
-                # The barrier puts every thread's stores before the program's count, whose release publishes them;
-                # the last lane's count acquires all lanes' stores. It sets the count back to 0 for the next launch.
-                tl.debug_barrier()
-                count_at = Arrivals + token * tl.num_programs(1) + kv_head
-                arrived = tl.atomic_add(count_at, 1, sem="acq_rel")
-                if arrived == tl.minimum(lanes, splits_used) - 1:
-                    for g in tl.static_range(GROUP):
-                        _merge_head(OutPartial, LsePartial, Out, token, kv_head * GROUP + g, visible, stride_ot,
-                                    stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h, HEAD_DIM,
-                                    SPLITS_PAD, BLOCKS_PER_SPLIT * BLOCK_SIZE, True)
-                    tl.atomic_xchg(count_at, 0)
 
 
 if triton is not None:
@@ -274,9 +231,18 @@ if triton is not None:
                              PDL: tl.constexpr):
         wait_for_previous_kernel(PDL)
         token = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
         visible = tl.minimum(tl.load(QueryCacheIndex + token) + 1, tl.load(ContextLens + tl.load(TokenSeq + token)))
-        _merge_head(OutPartial, LsePartial, Out, token, tl.program_id(1), visible, stride_ot, stride_oh, stride_os,
-                    stride_lt, stride_lh, stride_t, stride_h, HEAD_DIM, SPLITS_PAD, SPLIT_TOKENS, False)
+        valid = offs_s * SPLIT_TOKENS < visible  # the splits the decode kernel wrote
+        lse = tl.load(LsePartial + token * stride_lt + head * stride_lh + offs_s, mask=valid, other=float("-inf"))
+        weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always sees a token, so the max is finite
+        weights = weights / tl.sum(weights, 0)
+        partial = tl.load(OutPartial + token * stride_ot + head * stride_oh + offs_s[:, None] * stride_os
+                          + offs_d[None, :], mask=valid[:, None], other=0.0)
+        out = tl.sum(partial * weights[:, None], 0)
+        tl.store(Out + token * stride_t + head * stride_h + offs_d, out.to(Out.dtype.element_ty))
 
 
 def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
@@ -301,40 +267,28 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
     if q.stride(-1) != 1:
         q = q.contiguous()
     lanes = min(num_splits, max(1, -(-LAUNCH_PROGRAMS // (tokens * kv_heads))))
-    merge_in_decode = MERGE_IN_DECODE and tokens * kv_heads <= MERGE_IN_DECODE_MAX_PAIRS
-    # At least 16 split slots: steps whose block tables differ in width (mixed steps) then share one compiled
-    # variant instead of one per power of two.
-    splits_pad = max(16, triton.next_power_of_2(num_splits))
-    out = torch.empty_like(q)
     _paged_decode_kernel[(tokens, kv_heads, lanes)](
-        q, key_cache, value_cache, early_key, early_value, out_partial, lse_partial, out,
-        _arrivals(q.device) if merge_in_decode else out,
+        q, key_cache, value_cache, early_key, early_value, out_partial, lse_partial,
         block_tables, context_lens, token_seq, query_cache_index, draft_start, draft_visible,
         scale,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), draft_visible.stride(0),
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
-        lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
+        lse_partial.stride(0), lse_partial.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCKS_PER_SPLIT=blocks_per_split, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
         IEEE=q.dtype == torch.float32, CACHED_FIRST=CACHED_FIRST and tokens * kv_heads < CACHED_FIRST_MAX_PAIRS,
-        MERGE=merge_in_decode, SPLITS_PAD=splits_pad, **pdl_options(q.device),
+        **pdl_options(q.device),
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
-    if not merge_in_decode:  # weight each split by its share of the total softmax mass
-        _merge_splits_kernel[(tokens, heads)](
-            out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
-            out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
-            lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, SPLIT_TOKENS=blocks_per_split * block_size,
-            **pdl_options(q.device))
+    # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
+    # block tables differ in width (mixed steps) then share one compiled variant instead of one per power of two.
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(tokens, heads)](
+        out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
+        out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
+        lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
+        SPLIT_TOKENS=blocks_per_split * block_size, **pdl_options(q.device))
     return out
-
-
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """MERGE_IN_DECODE's count of stored lanes per (token, KV head), 0 between launches. One buffer per device
-    serves every launch, graphs included: launches on a stream run in its order, and the last lane of a pair resets
-    its count before the launch ends."""
-    return torch.zeros(MERGE_IN_DECODE_MAX_PAIRS, dtype=torch.int32, device=device)
