@@ -95,12 +95,6 @@ VARIANTS = {
 VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
 # Round 16: the step's token embedding and rotary tables as nine PyTorch kernels, as before fused_ops.STEP_INPUT_KERNELS
 VARIANTS["no_step_inputs"] = dict(VARIANTS["current"], step_inputs=False)
-# Round 17: at batch 1 the decode kernel launches a lane per split of the widest context a graph allows (32 at
-# max_model_len 2048), most of them idle at the benchmark's contexts: 8 or 4 lanes per KV head (LAUNCH_PROGRAMS 64,
-# 32; longer contexts loop), and the decode kernel on 2 warps instead of Triton's 4
-VARIANTS["lanes_8"] = dict(VARIANTS["current"], launch_programs=64)
-VARIANTS["lanes_4"] = dict(VARIANTS["current"], launch_programs=32)
-VARIANTS["decode_2warps"] = dict(VARIANTS["current"], decode_warps=2)
 # One-row tiles inside the decode graph, where round 11 chose them from standalone calls on cold weights. Triton
 # streams these narrow tiles through registers (no shared-memory stages: num_stages changes nothing), so what sets
 # the programs an SM holds is registers: `bench/compile_sm90.py --occupancy --tiles ...` prints them, and the grid
@@ -147,8 +141,7 @@ def apply(variant: dict) -> None:
     global TRITON_ARGMAX
     from zoo import fused_ops, triton_attention
 
-    triton_attention.LAUNCH_PROGRAMS = variant.get("launch_programs", 2048 if variant["lanes"] else 1 << 40)
-    triton_attention.NUM_WARPS = variant.get("decode_warps")
+    triton_attention.LAUNCH_PROGRAMS = 2048 if variant["lanes"] else 1 << 40
     fused_ops.GEMV_MAX_ROWS = variant["gemv_rows"]
     TRITON_ARGMAX = TRITON_ARGMAX or fused_ops.argmax
     fused_ops.argmax = TRITON_ARGMAX if variant["argmax"] else (lambda logits: logits.argmax(-1))
