@@ -43,7 +43,7 @@ from gpu import SHAPE, write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, cached_first=False, step_inputs=False)
+            one_row={}, weights_first=False, cached_first=False, step_inputs=False, inputs_first=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -66,7 +66,7 @@ VARIANTS = {
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
     "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
-                    weights_first=True, cached_first=True, step_inputs=True),
+                    weights_first=True, cached_first=True, step_inputs=True, inputs_first=True),
     "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
                            weights_first=True, cached_first=True, step_inputs=True),
     # round 11, before round 12 turned on the decode kernel's first tile of cached keys and values read before its
@@ -95,6 +95,9 @@ VARIANTS = {
 VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
 # Round 16: the step's token embedding and rotary tables as nine PyTorch kernels, as before fused_ops.STEP_INPUT_KERNELS
 VARIANTS["no_step_inputs"] = dict(VARIANTS["current"], step_inputs=False)
+# Round 17: the step's inputs (token_seq, context lengths, slot mapping, rotary tables) read after the PDL wait in the
+# decode, merge and q/k/v kernels, as before triton_attention.INPUTS_BEFORE_WAIT
+VARIANTS["inputs_after_wait"] = dict(VARIANTS["current"], inputs_first=False)
 # One-row tiles inside the decode graph, where round 11 chose them from standalone calls on cold weights. Triton
 # streams these narrow tiles through registers (no shared-memory stages: num_stages changes nothing), so what sets
 # the programs an SM holds is registers: `bench/compile_sm90.py --occupancy --tiles ...` prints them, and the grid
@@ -153,6 +156,7 @@ def apply(variant: dict) -> None:
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
     triton_attention.CACHED_FIRST = variant["cached_first"]
     fused_ops.STEP_INPUT_KERNELS = variant["step_inputs"]
+    triton_attention.INPUTS_BEFORE_WAIT = variant["inputs_first"]
     ablate(variant.get("ablate"))
 
 
