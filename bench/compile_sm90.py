@@ -55,7 +55,7 @@ def signature_of(kernel, pointers: dict[str, str]) -> dict[str, str]:
 
 
 PDL = dict(PDL=True)
-INPUTS = dict(INPUTS_FIRST=triton_attention.INPUTS_BEFORE_WAIT)  # step inputs read before the wait (the default)
+INPUTS = dict(INPUTS_FIRST=True)  # step inputs read before the wait (the default)
 PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST)  # the weight-streaming kernels
 # (name, kernel, pointers not bf16 ("*": all of them), constexprs, launch options)
 CASES = [

@@ -571,7 +571,7 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
         flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
         cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope,
-        INPUTS_FIRST=triton_attention.INPUTS_BEFORE_WAIT, **options, **EXACT_ROUNDING)
+        INPUTS_FIRST="qkv" in triton_attention.INPUTS_BEFORE_WAIT, **options, **EXACT_ROUNDING)
     return q
 
 

@@ -100,8 +100,9 @@ CACHED_FIRST_MAX_PAIRS = 64
 # Whether kernels read the step's inputs (token_seq, context lengths, slot mapping, rotary tables) before their PDL
 # wait: a kernel starts only once the one before it has waited for its own predecessor, so whatever kernels two or
 # more launches back wrote is complete, and a step writes these at its start, before any layer. Read after the
-# wait, they are one or two more round trips to memory on the step's critical path.
-INPUTS_BEFORE_WAIT = True
+# wait, they are one or two more round trips to memory on the step's critical path. The kernels that do: any of
+# "decode", "merge", "qkv".
+INPUTS_BEFORE_WAIT = frozenset({"decode", "merge", "qkv"})
 
 
 # The partial results' strides follow the step's split count. Triton would compile a variant per stride class
@@ -289,7 +290,7 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCKS_PER_SPLIT=blocks_per_split, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
         IEEE=q.dtype == torch.float32, CACHED_FIRST=CACHED_FIRST and tokens * kv_heads < CACHED_FIRST_MAX_PAIRS,
-        INPUTS_FIRST=INPUTS_BEFORE_WAIT, **pdl_options(q.device),
+        INPUTS_FIRST="decode" in INPUTS_BEFORE_WAIT, **pdl_options(q.device),
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
     # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
@@ -300,5 +301,6 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
-        SPLIT_TOKENS=blocks_per_split * block_size, INPUTS_FIRST=INPUTS_BEFORE_WAIT, **pdl_options(q.device))
+        SPLIT_TOKENS=blocks_per_split * block_size, INPUTS_FIRST="merge" in INPUTS_BEFORE_WAIT,
+        **pdl_options(q.device))
     return out
