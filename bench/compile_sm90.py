@@ -55,7 +55,6 @@ def signature_of(kernel, pointers: dict[str, str]) -> dict[str, str]:
 
 
 PDL = dict(PDL=True)
-INPUTS = dict(INPUTS_FIRST=True)  # step inputs read before the wait (the default)
 PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST)  # the weight-streaming kernels
 # (name, kernel, pointers not bf16 ("*": all of them), constexprs, launch options)
 CASES = [
@@ -76,10 +75,10 @@ CASES = [
      dict(HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), {}),
     ("qkv_rope_cache", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=True,
-          BLOCK_M=16, PAIR=16, BLOCK_K=512, **INPUTS, **PRODUCT), fused_ops.EXACT_ROUNDING),
+          BLOCK_M=16, PAIR=16, BLOCK_K=512, **PRODUCT), fused_ops.EXACT_ROUNDING),
     ("qkv_rope_cache, narrow", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=True, IEEE=False, DOT=False,
-          BLOCK_M=1, PAIR=4, BLOCK_K=1024, **INPUTS, **PRODUCT), fused_ops.EXACT_ROUNDING),
+          BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), fused_ops.EXACT_ROUNDING),
     ("argmax chunks", fused_ops._argmax_chunk_kernel, {"Logits": "*fp32", "Values": "*fp32", "Indices": "*i32"},
      dict(BLOCK=fused_ops.ARGMAX_BLOCK, **PDL), {}),
     ("argmax rows", fused_ops._argmax_rows_kernel, {"Values": "*fp32", "Indices": "*i32", "Out": "*i64"},
@@ -93,21 +92,21 @@ CASES = [
      {"OutPartial": "*fp32", "LsePartial": "*fp32", "BlockTables": "*i64", "ContextLens": "*i64", "TokenSeq": "*i64",
       "QueryCacheIndex": "*i64", "DraftStart": "*i64", "DraftVisible": "*i8"},
      dict(BLOCK_SIZE=16, HEAD_DIM=64, GROUP=4, GROUP_PAD=16, BLOCKS_PER_SPLIT=4, BLOCKS_PER_ITER=4, HAS_TREE=False,
-          IEEE=False, **INPUTS, **PDL), {}),
+          IEEE=False, **PDL), {}),
     ("paged decode, draft tree", triton_attention._paged_decode_kernel,
      {"OutPartial": "*fp32", "LsePartial": "*fp32", "BlockTables": "*i64", "ContextLens": "*i64", "TokenSeq": "*i64",
       "QueryCacheIndex": "*i64", "DraftStart": "*i64", "DraftVisible": "*i8"},
      dict(BLOCK_SIZE=16, HEAD_DIM=64, GROUP=4, GROUP_PAD=16, BLOCKS_PER_SPLIT=16, BLOCKS_PER_ITER=4, HAS_TREE=True,
-          IEEE=False, **INPUTS, **PDL), {}),
+          IEEE=False, **PDL), {}),
     ("paged decode, cached tile first", triton_attention._paged_decode_kernel,
      {"OutPartial": "*fp32", "LsePartial": "*fp32", "BlockTables": "*i64", "ContextLens": "*i64", "TokenSeq": "*i64",
       "QueryCacheIndex": "*i64", "DraftStart": "*i64", "DraftVisible": "*i8"},
      dict(BLOCK_SIZE=16, HEAD_DIM=64, GROUP=4, GROUP_PAD=16, BLOCKS_PER_SPLIT=4, BLOCKS_PER_ITER=4, HAS_TREE=False,
-          IEEE=False, CACHED_FIRST=True, **INPUTS, **PDL), {}),
+          IEEE=False, CACHED_FIRST=True, **PDL), {}),
     ("merge splits", triton_attention._merge_splits_kernel,
      {"OutPartial": "*fp32", "LsePartial": "*fp32", "TokenSeq": "*i64", "QueryCacheIndex": "*i64",
       "ContextLens": "*i64"},
-     dict(HEAD_DIM=64, SPLITS_PAD=16, SPLIT_TOKENS=64, **INPUTS, **PDL), {}),
+     dict(HEAD_DIM=64, SPLITS_PAD=16, SPLIT_TOKENS=64, **PDL), {}),
 ]
 
 
@@ -192,8 +191,7 @@ def occupancy(tiles: list[tuple] | None) -> int:
                                                       HEAD_DIM // 2 if qkv else 1 << 30)
                     stages, warps = launch.pop("num_stages"), launch.pop("num_warps")
                     grid = n // 2 // launch["PAIR"]
-                    extra = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, HALF=HEAD_DIM // 2, HAS_ROPE=True,
-                                 **INPUTS) if qkv else {}
+                    extra = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, HALF=HEAD_DIM // 2, HAS_ROPE=True) if qkv else {}
                     constexprs = dict(launch, **extra, **PRODUCT)
             finally:
                 fused_ops.GEMV_ONE_ROW_CONFIGS = chosen

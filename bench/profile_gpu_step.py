@@ -43,7 +43,7 @@ from gpu import SHAPE, write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, cached_first=False, step_inputs=False, inputs_first=frozenset())
+            one_row={}, weights_first=False, cached_first=False, step_inputs=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -66,8 +66,7 @@ VARIANTS = {
     # a kernel starts before the one it waits for has finished, so the profiler's time for it includes that wait
     # (round 9's batch-1 kernels added up to 1.77 ms for a 0.95-ms replay); without it each kernel's time is its own
     "current": dict(BASE, argmax=True, pdl=True, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
-                    weights_first=True, cached_first=True, step_inputs=True,
-                    inputs_first=frozenset({"decode", "merge", "qkv"})),
+                    weights_first=True, cached_first=True, step_inputs=True),
     "current_no_pdl": dict(BASE, argmax=True, pdl=False, proj_rows=4, fold=True, advance=True, one_row=DEEP_ROWS,
                            weights_first=True, cached_first=True, step_inputs=True),
     # round 11, before round 12 turned on the decode kernel's first tile of cached keys and values read before its
@@ -96,11 +95,6 @@ VARIANTS = {
 VARIANTS["no_cached_first"] = dict(VARIANTS["current"], cached_first=False)
 # Round 16: the step's token embedding and rotary tables as nine PyTorch kernels, as before fused_ops.STEP_INPUT_KERNELS
 VARIANTS["no_step_inputs"] = dict(VARIANTS["current"], step_inputs=False)
-# Round 17: the step's inputs (token_seq, context lengths, slot mapping, rotary tables) read after the PDL wait in the
-# decode, merge and q/k/v kernels, as before triton_attention.INPUTS_BEFORE_WAIT
-VARIANTS["inputs_after_wait"] = dict(VARIANTS["current"], inputs_first=frozenset())
-VARIANTS["inputs_merge_only"] = dict(VARIANTS["current"], inputs_first=frozenset({"merge"}))
-VARIANTS["inputs_qkv_only"] = dict(VARIANTS["current"], inputs_first=frozenset({"qkv"}))
 # One-row tiles inside the decode graph, where round 11 chose them from standalone calls on cold weights. Triton
 # streams these narrow tiles through registers (no shared-memory stages: num_stages changes nothing), so what sets
 # the programs an SM holds is registers: `bench/compile_sm90.py --occupancy --tiles ...` prints them, and the grid
@@ -159,7 +153,6 @@ def apply(variant: dict) -> None:
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
     triton_attention.CACHED_FIRST = variant["cached_first"]
     fused_ops.STEP_INPUT_KERNELS = variant["step_inputs"]
-    triton_attention.INPUTS_BEFORE_WAIT = variant["inputs_first"]
     ablate(variant.get("ablate"))
 
 
@@ -203,7 +196,7 @@ def main() -> int:
                       max_num_batched_tokens=8192, gpu_memory_utilization=0.85, num_kv_blocks=blocks or None)
             llm.engine.runner.fresh_causal_path = VARIANTS[name]["fresh"]
             key = f"{name} kv_blocks={llm.engine.num_blocks}"
-            switches = {k: repr(v) if isinstance(v, (dict, frozenset)) else v for k, v in VARIANTS[name].items()}  # JSON keys
+            switches = {k: repr(v) if isinstance(v, dict) else v for k, v in VARIANTS[name].items()}  # JSON keys
             entry = report["variants"][key] = {"switches": switches, "decode": {}}
             say(f"=== variant {key}: {VARIANTS[name]}")
             for batch in args.batch:

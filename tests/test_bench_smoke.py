@@ -31,8 +31,7 @@ def profile_switches() -> list:
     return ([(fused_ops, name) for name in ("GEMV_MAX_ROWS", "argmax", "PROJECTION_GEMV_MAX_ROWS",
                                             "FOLD_INTO_PROJECTIONS", "ADVANCE_KERNEL", "GEMV_ONE_ROW_CONFIGS",
                                             "WEIGHTS_FIRST", "STEP_INPUT_KERNELS")]
-            + [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST",
-                                                     "INPUTS_BEFORE_WAIT")])
+            + [(triton_attention, name) for name in ("LAUNCH_PROGRAMS", "PDL", "CACHED_FIRST")])
 
 
 def test_throughput_script_runs(tmp_path):

@@ -25,7 +25,6 @@ import functools
 
 import torch
 
-from zoo import triton_attention
 from zoo.triton_attention import pdl_options, triton
 
 if triton is not None:
@@ -315,57 +314,38 @@ if triton is not None:
                  mask=(offs_m < rows)[:, None] & (cols < half)[None, :])
 
     @triton.jit
-    def _rotary_and_slots(Cos, Sin, SlotMapping, head, offs_m, offs_d, rows, stride_ct, NUM_HEADS: tl.constexpr,
-                          NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_ROPE: tl.constexpr):
-        # What a q/k/v program reads besides the product: its rows' rotary tables (queries and keys rotate) and cache
-        # slots (keys and values are written). Step inputs, so they may be read before the PDL wait.
-        rotated_rows = tl.where(head < NUM_HEADS + NUM_KV_HEADS, rows, 0)
-        rotates = (offs_m < rotated_rows)[:, None]
-        table = offs_m[:, None] * stride_ct + offs_d[None, :]
-        if HAS_ROPE:
-            c1 = tl.load(Cos + table, mask=rotates, other=0.0).to(tl.float32)
-            c2 = tl.load(Cos + table + HALF, mask=rotates, other=0.0).to(tl.float32)
-            s1 = tl.load(Sin + table, mask=rotates, other=0.0).to(tl.float32)
-            s2 = tl.load(Sin + table + HALF, mask=rotates, other=0.0).to(tl.float32)
-        else:
-            c1 = tl.zeros(table.shape, tl.float32)
-            c2, s1, s2 = c1, c1, c1
-        slot = tl.load(SlotMapping + offs_m, mask=offs_m < tl.where(head >= NUM_HEADS, rows, 0), other=0)
-        return c1, c2, s1, s2, slot
-
-    @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
                                stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                                BLOCK_M: tl.constexpr, PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                               WEIGHTS_FIRST: tl.constexpr, INPUTS_FIRST: tl.constexpr):
+                               WEIGHTS_FIRST: tl.constexpr):
         # W = [q; k; v] by heads of 2 * HALF rows. A program takes PAIR columns of one head's first half and the
         # PAIR that rotate with them, so rotary and the cache write run on the product before it is stored.
         head = tl.program_id(0) // (HALF // PAIR)
         start = (tl.program_id(0) % (HALF // PAIR)) * PAIR  # of this program's run in the head's first half
         offs_d = start + tl.arange(0, PAIR)
         first = head * 2 * HALF + start
-        offs_m = tl.arange(0, BLOCK_M)
-        if INPUTS_FIRST:  # before the product's PDL wait (triton_attention.INPUTS_BEFORE_WAIT)
-            c1, c2, s1, s2, slot = _rotary_and_slots(Cos, Sin, SlotMapping, head, offs_m, offs_d, rows, stride_ct,
-                                                     NUM_HEADS, NUM_KV_HEADS, HALF, HAS_ROPE)
         x1, x2 = _paired_product(X, W, Bias, first, first + HALF, (NUM_HEADS + 2 * NUM_KV_HEADS) * 2 * HALF,
                                  rows, k, stride_x, stride_w, HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL,
                                  WEIGHTS_FIRST)
-        if not INPUTS_FIRST:
-            c1, c2, s1, s2, slot = _rotary_and_slots(Cos, Sin, SlotMapping, head, offs_m, offs_d, rows, stride_ct,
-                                                     NUM_HEADS, NUM_KV_HEADS, HALF, HAS_ROPE)
+        offs_m = tl.arange(0, BLOCK_M)
         row_ok = (offs_m < rows)[:, None]
         dtype = Q.dtype.element_ty
         if HAS_ROPE:
             if head < NUM_HEADS + NUM_KV_HEADS:  # queries and keys rotate; values do not
+                table = offs_m[:, None] * stride_ct + offs_d[None, :]
+                c1 = tl.load(Cos + table, mask=row_ok, other=0.0).to(tl.float32)
+                c2 = tl.load(Cos + table + HALF, mask=row_ok, other=0.0).to(tl.float32)
+                s1 = tl.load(Sin + table, mask=row_ok, other=0.0).to(tl.float32)
+                s2 = tl.load(Sin + table + HALF, mask=row_ok, other=0.0).to(tl.float32)
                 x1, x2 = _rotate_half(x1.to(tl.float32), x2.to(tl.float32), c1, c2, s1, s2, dtype)
         if head < NUM_HEADS:
             q_ptr = Q + offs_m[:, None] * stride_q + head * 2 * HALF + offs_d[None, :]
             tl.store(q_ptr, x1, mask=row_ok)
             tl.store(q_ptr + HALF, x2, mask=row_ok)
         else:
+            slot = tl.load(SlotMapping + offs_m, mask=offs_m < rows, other=0)
             if head < NUM_HEADS + NUM_KV_HEADS:
                 cache_ptr = KCache + slot[:, None] * stride_cs + (head - NUM_HEADS) * stride_ch + offs_d[None, :]
                 tl.store(cache_ptr, x1.to(KCache.dtype.element_ty), mask=row_ok)
@@ -570,8 +550,8 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
         x, weight, bias if bias is not None else weight, q, cos if has_rope else q, sin if has_rope else q,
         flat_k, flat_v, slot_mapping, tokens, weight.shape[1], x.stride(0), weight.stride(0), q.stride(0),
         cos.stride(0) if has_rope else 0, flat_k.stride(0), flat_k.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope,
-        INPUTS_FIRST="qkv" in triton_attention.INPUTS_BEFORE_WAIT, **options, **EXACT_ROUNDING)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_ROPE=has_rope, **options,
+        **EXACT_ROUNDING)
     return q
 
 

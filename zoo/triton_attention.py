@@ -97,13 +97,6 @@ CACHED_FIRST = True
 # 27982 against 32886 (bench/results/gpu/round14/gpu_cached_first_ab_h100.json).
 CACHED_FIRST_MAX_PAIRS = 64
 
-# Whether kernels read the step's inputs (token_seq, context lengths, slot mapping, rotary tables) before their PDL
-# wait: a kernel starts only once the one before it has waited for its own predecessor, so whatever kernels two or
-# more launches back wrote is complete, and a step writes these at its start, before any layer. Read after the
-# wait, they are one or two more round trips to memory on the step's critical path. The kernels that do: any of
-# "decode", "merge", "qkv".
-INPUTS_BEFORE_WAIT = frozenset({"decode", "merge", "qkv"})
-
 
 # The partial results' strides follow the step's split count. Triton would compile a variant per stride class
 # (1, a multiple of 16, other), which mixed steps of a server meet one by one, each a compile of 100+ ms in the
@@ -151,7 +144,7 @@ if triton is not None:
         stride_lt, stride_lh,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCKS_PER_SPLIT: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, HAS_TREE: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr, CACHED_FIRST: tl.constexpr, INPUTS_FIRST: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr, CACHED_FIRST: tl.constexpr,
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -165,7 +158,7 @@ if triton is not None:
         # one per query token of the launch, so positions under context - tokens were written by earlier steps;
         # the step's inputs (token_seq, context_lens, block tables) come from kernels two or more launches back,
         # which have finished by the time this one starts.
-        if not (CACHED_FIRST or INPUTS_FIRST):
+        if not CACHED_FIRST:
             wait_for_previous_kernel(PDL)
         seq = tl.load(TokenSeq + token)
         last = tl.load(QueryCacheIndex + token)
@@ -183,7 +176,6 @@ if triton is not None:
                           + kv_head * stride_kh + offs_d[None, :])
             k_old = tl.load(KEarly + kv_offsets, mask=old[:, None], other=0.0)
             v_old = tl.load(VEarly + kv_offsets, mask=old[:, None], other=0.0)
-        if CACHED_FIRST or INPUTS_FIRST:
             wait_for_previous_kernel(PDL)
         heads = kv_head * GROUP + offs_g
         group_mask = offs_g < GROUP
@@ -236,16 +228,13 @@ if triton is not None:
     def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
                              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
                              HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-                             PDL: tl.constexpr, INPUTS_FIRST: tl.constexpr):
-        if not INPUTS_FIRST:
-            wait_for_previous_kernel(PDL)
+                             PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
         token = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         visible = tl.minimum(tl.load(QueryCacheIndex + token) + 1, tl.load(ContextLens + tl.load(TokenSeq + token)))
-        if INPUTS_FIRST:
-            wait_for_previous_kernel(PDL)
         valid = offs_s * SPLIT_TOKENS < visible  # the splits the decode kernel wrote
         lse = tl.load(LsePartial + token * stride_lt + head * stride_lh + offs_s, mask=valid, other=float("-inf"))
         weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always sees a token, so the max is finite
@@ -290,7 +279,7 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCKS_PER_SPLIT=blocks_per_split, BLOCKS_PER_ITER=BLOCKS_PER_ITER, HAS_TREE=has_tree,
         IEEE=q.dtype == torch.float32, CACHED_FIRST=CACHED_FIRST and tokens * kv_heads < CACHED_FIRST_MAX_PAIRS,
-        INPUTS_FIRST="decode" in INPUTS_BEFORE_WAIT, **pdl_options(q.device),
+        **pdl_options(q.device),
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
     # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
@@ -301,6 +290,5 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
         out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
         lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
-        SPLIT_TOKENS=blocks_per_split * block_size, INPUTS_FIRST="merge" in INPUTS_BEFORE_WAIT,
-        **pdl_options(q.device))
+        SPLIT_TOKENS=blocks_per_split * block_size, **pdl_options(q.device))
     return out
