@@ -205,12 +205,13 @@ def test_grid_barrier_benchmark_agrees_with_its_reference(tmp_path):
     script = SCRIPT.parent / "grid_barrier.py"
     proc = subprocess.run([sys.executable, str(script), "--phases", "3", "--mb", "0", "0.05", "--block", "64",
                            "--out", str(out)], capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("both ways give the expected sums") == 2
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the script checks both ways' sums, and their graphs' on CUDA
     report = json.loads(out.read_text())
     assert len(report["cases"]) == 2
     if not interpret:
+        assert all(case["persistent"]["us_per_phase"] > 0 for case in report["cases"])
         return
+    assert proc.stdout.count("both ways give the expected sums") == 2
     assert report["programs"] == 1 and [case["per_program_bytes"] for case in report["cases"]] == [128, 52352]
     refused = subprocess.run([sys.executable, str(script), "--programs", "2"], capture_output=True, text=True,
                              timeout=180, env=env)
