@@ -170,8 +170,7 @@ def test_ragged_prompts_and_chunks_match_transformers(checkpoints, references, n
     import zoo.model
 
     pytest.importorskip("triton")
-    monkeypatch.setattr(zoo.model, "varlen_attn", reference_varlen)
-    monkeypatch.setattr(zoo.model, "VARLEN_CAUSAL", dict(window_size=(-1, 0)))
+    monkeypatch.setattr(zoo.model, "flash_varlen", lambda: (reference_varlen, dict(window_size=(-1, 0))))
     prompts = prompt_set()
     llm = LLM(str(checkpoints[name][0]), model=ZOO_MODEL_OPTION[name], block_size=16, max_num_batched_tokens=24)
     engine = llm.engine

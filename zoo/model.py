@@ -9,6 +9,7 @@ the step's :class:`AttentionMetadata`, which it reads from the forward context
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -96,25 +97,31 @@ class RaggedCausal:
         keys = key_cache.view(-1, kv_heads, head_dim).index_select(0, self.key_slots)
         values = value_cache.view(-1, kv_heads, head_dim).index_select(0, self.key_slots)
         queries = q if self.rows is None else q.index_select(0, self.rows)
+        varlen_attn, causal = flash_varlen()
         return varlen_attn(queries, keys, values, self.cu_queries, self.cu_keys, self.longest_query,
-                           self.longest_keys, scale=scale, **VARLEN_CAUSAL)
+                           self.longest_keys, scale=scale, **causal)
 
 
-try:  # torch >= 2.10: flash attention over sequences laid end to end (grouped KV heads taken as they are)
-    from torch.nn.attention.varlen import varlen_attn
-
+@functools.cache
+def flash_varlen() -> tuple | None:
+    """torch's flash call over sequences laid end to end (torch >= 2.10; grouped KV heads taken as they are) and
+    its causal keyword, or None. Imported on first use: its module pulls in torch._dynamo, a second more of every
+    process's start (the CLI's, a server's, each rank's)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
     # 2.10 spells causal is_causal=True; later releases a window of (-1, 0), aligned to the last key either way
-    VARLEN_CAUSAL = (dict(window_size=(-1, 0)) if "window_size" in inspect.signature(varlen_attn).parameters
-                     else dict(is_causal=True))
-except ImportError:
-    varlen_attn = None
+    causal = (dict(window_size=(-1, 0)) if "window_size" in inspect.signature(varlen_attn).parameters
+              else dict(is_causal=True))
+    return varlen_attn, causal
 
 
 def ragged_attention_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :class:`RaggedCausal` runs here: flash's varlen kernel needs CUDA, half precision and a head
     size it was built for."""
-    return (varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0 and head_dim <= 256)
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and flash_varlen() is not None)
 
 
 @dataclass
