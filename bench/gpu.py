@@ -231,6 +231,11 @@ def main(argv=None) -> int:
     p.add_argument("--gpt-fast-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--gpt-fast-timeout", type=int, default=400)
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64],
+                   help="decode batch sizes (transformers runs only with 64 among them and the offline workload)")
+    p.add_argument("--skip-offline", action="store_true",
+                   help="leave out the offline workload: with --skip-prefill --batches 1, a batch-1 figure in a short "
+                        "device window")
     p.add_argument("--runtime", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more runtime settings for zoo's engine (VALUE in JSON), e.g. "
                         "mixed_graph_tokens=512")
@@ -279,7 +284,7 @@ def main(argv=None) -> int:
               f"{record['zoo_profile_peak_GiB']:.2f} GiB, graphs {engine.uses_cuda_graphs}", flush=True)
         vocab = SHAPE["vocab_size"]
         sweep, flipped, switched = {}, {}, {}
-        for batch in (1, 8, 32, 64):
+        for batch in args.batches:
             result, tokens, prompts = zoo_fixed_batch(llm, batch, 128, 256, vocab, weight_bytes, bandwidth,
                                                       args.layers)
             sweep[batch] = result
@@ -313,46 +318,48 @@ def main(argv=None) -> int:
                 r = record["zoo_prefill"][f"{seqs}x{length}"] = zoo_prefill(llm, seqs, length, rate, args.layers)
                 print(f"zoo prefill {seqs} x {length}: {r['prefill_tok_s']:.0f} tok/s, "
                       f"{100 * r['compute_fraction']:.0f}% of {rate / 1e12:.0f} TFLOP/s", flush=True)
-        params = SamplingParams(max_new_tokens=256, ignore_eos=True)
-        # Warm-up of the workload's step shapes (mixed steps compile Triton kernel variants the decode graphs
-        # did not need), with prompts of its own, so nothing later comes from the prefix cache.
-        t_warm, _ = timed(lambda: llm.generate(offline_requests(vocab, args.offline_requests, seed=4), params))
-        record["zoo_offline_warmup_s"] = t_warm
-        print(f"zoo offline warm-up: {t_warm:.1f} s", flush=True)
-        # The same workload with whole prompts through the masked path, which this release replaced, and a
-        # different seed so that nothing comes from the prefix cache; then the reported run.
-        engine.runner.fresh_causal_path = False
-        other = offline_requests(vocab, args.offline_requests, seed=1)
-        t_masked, outs = timed(lambda: llm.generate(other, params))
-        record["zoo_offline_masked_prompts"] = {"output_tok_s": sum(len(o.token_ids) for o in outs) / t_masked}
-        engine.runner.fresh_causal_path = True
-        print(f"zoo offline, whole prompts through the mask: "
-              f"{record['zoo_offline_masked_prompts']['output_tok_s']:.0f} output tok/s", flush=True)
-        requests = offline_requests(vocab, args.offline_requests, seed=2)
-        before = dict(vars(engine.stats), overlapped=engine.overlapped_steps, advanced=engine.advanced_in_place)
-        t_offline, outs = timed(lambda: llm.generate(requests, params))
-        after = dict(vars(engine.stats), overlapped=engine.overlapped_steps, advanced=engine.advanced_in_place)
-        record["zoo_offline_steps"] = {key: after[key] - before[key] for key in
-                                       ("steps", "prefill_seconds", "decode_seconds", "prefill_tokens",
-                                        "decode_tokens", "overlapped", "advanced")}
-        print(f"zoo offline steps: {record['zoo_offline_steps']}", flush=True)
-        generated = sum(len(o.token_ids) for o in outs)
-        record["zoo_offline"] = {"requests": len(requests), "output_tokens": generated, "seconds": t_offline,
-                                 "output_tok_s": generated / t_offline,
-                                 "preemptions": engine.scheduler.num_preemptions}
-        print(f"zoo offline: {generated / t_offline:.0f} output tok/s ({generated} tokens, {t_offline:.1f} s)",
-              flush=True)
-        if args.compare_overlap:
-            # Other prompts of the same lengths' distribution: the reported ones would now hit the prefix cache.
-            engine.overlap_steps = not default_overlap
-            t_other, other_outs = timed(lambda: llm.generate(offline_requests(vocab, args.offline_requests, seed=3),
-                                                             params))
-            engine.overlap_steps = default_overlap
-            record["zoo_offline_overlap_flipped"] = {
-                "output_tok_s": sum(len(o.token_ids) for o in other_outs) / t_other,
-                "all_lengths": all(len(o.token_ids) == 256 for o in other_outs)}
-            print(f"  overlap_steps={not default_overlap}: "
-                  f"{record['zoo_offline_overlap_flipped']['output_tok_s']:.0f} output tok/s", flush=True)
+        requests = None
+        if not args.skip_offline:
+            params = SamplingParams(max_new_tokens=256, ignore_eos=True)
+            # Warm-up of the workload's step shapes (mixed steps compile Triton kernel variants the decode graphs
+            # did not need), with prompts of its own, so nothing later comes from the prefix cache.
+            t_warm, _ = timed(lambda: llm.generate(offline_requests(vocab, args.offline_requests, seed=4), params))
+            record["zoo_offline_warmup_s"] = t_warm
+            print(f"zoo offline warm-up: {t_warm:.1f} s", flush=True)
+            # The same workload with whole prompts through the masked path, which this release replaced, and a
+            # different seed so that nothing comes from the prefix cache; then the reported run.
+            engine.runner.fresh_causal_path = False
+            other = offline_requests(vocab, args.offline_requests, seed=1)
+            t_masked, outs = timed(lambda: llm.generate(other, params))
+            record["zoo_offline_masked_prompts"] = {"output_tok_s": sum(len(o.token_ids) for o in outs) / t_masked}
+            engine.runner.fresh_causal_path = True
+            print(f"zoo offline, whole prompts through the mask: "
+                  f"{record['zoo_offline_masked_prompts']['output_tok_s']:.0f} output tok/s", flush=True)
+            requests = offline_requests(vocab, args.offline_requests, seed=2)
+            before = dict(vars(engine.stats), overlapped=engine.overlapped_steps, advanced=engine.advanced_in_place)
+            t_offline, outs = timed(lambda: llm.generate(requests, params))
+            after = dict(vars(engine.stats), overlapped=engine.overlapped_steps, advanced=engine.advanced_in_place)
+            record["zoo_offline_steps"] = {key: after[key] - before[key] for key in
+                                           ("steps", "prefill_seconds", "decode_seconds", "prefill_tokens",
+                                            "decode_tokens", "overlapped", "advanced")}
+            print(f"zoo offline steps: {record['zoo_offline_steps']}", flush=True)
+            generated = sum(len(o.token_ids) for o in outs)
+            record["zoo_offline"] = {"requests": len(requests), "output_tokens": generated, "seconds": t_offline,
+                                     "output_tok_s": generated / t_offline,
+                                     "preemptions": engine.scheduler.num_preemptions}
+            print(f"zoo offline: {generated / t_offline:.0f} output tok/s ({generated} tokens, {t_offline:.1f} s)",
+                  flush=True)
+            if args.compare_overlap:
+                # Other prompts of the same lengths' distribution: the reported ones would now hit the prefix cache.
+                engine.overlap_steps = not default_overlap
+                t_other, other_outs = timed(lambda: llm.generate(offline_requests(vocab, args.offline_requests, seed=3),
+                                                                 params))
+                engine.overlap_steps = default_overlap
+                record["zoo_offline_overlap_flipped"] = {
+                    "output_tok_s": sum(len(o.token_ids) for o in other_outs) / t_other,
+                    "all_lengths": all(len(o.token_ids) == 256 for o in other_outs)}
+                print(f"  overlap_steps={not default_overlap}: "
+                      f"{record['zoo_offline_overlap_flipped']['output_tok_s']:.0f} output tok/s", flush=True)
         free, total = torch.cuda.mem_get_info()
         record["memory"] = {"peak_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30,
                             "kv_cache_GiB": engine.num_blocks * engine.runner.kv.bytes_per_block() / 2**30,
@@ -367,8 +374,10 @@ def main(argv=None) -> int:
             print(f"gpt-fast: {json.dumps(record['gpt_fast'])[:600]}", flush=True)
             write_reports(record, out)
 
-        if not args.skip_hf:
+        if not args.skip_hf and 64 in sweep and requests is not None:
             record["hf"] = run_transformers(folder, prompts64, zoo64_tokens, requests)
+        elif not args.skip_hf:
+            print("transformers left out: it runs beside batch 64 and the offline workload", flush=True)
     write_reports(record, out)
     return 0
 
@@ -463,10 +472,11 @@ def write_reports(record: dict, out: Path) -> None:
                       f"allocated {memory['peak_allocated_GiB']:.1f} GiB of {memory['device_GiB']:.0f} GiB "
                       f"(gpu_memory_utilization {memory['gpu_memory_utilization']}); the profile step's peak "
                       f"{record['zoo_profile_peak_GiB']:.2f} GiB."]
-    off = record["zoo_offline"]
-    lines += ["", f"Offline, {off['requests']} requests: {off['output_tok_s']:.0f} output tok/s "
-                  f"({off['seconds']:.1f} s, {off['preemptions']} preemptions; a warm-up run of other prompts "
-                  f"took {record.get('zoo_offline_warmup_s', float('nan')):.1f} s)."]
+    off = record.get("zoo_offline")
+    if off:
+        lines += ["", f"Offline, {off['requests']} requests: {off['output_tok_s']:.0f} output tok/s "
+                      f"({off['seconds']:.1f} s, {off['preemptions']} preemptions; a warm-up run of other prompts "
+                      f"took {record.get('zoo_offline_warmup_s', float('nan')):.1f} s)."]
     steps = record.get("zoo_offline_steps")
     if steps:
         lines.append(f"Its {steps['steps']} steps: {steps['prefill_seconds']:.2f} s in steps with prompt tokens "
@@ -485,7 +495,7 @@ def write_reports(record: dict, out: Path) -> None:
         static = hf.get("static_b64", {})
         batch = hf.get("generate_batch", {})
         eager = hf.get("eager_b1", {})
-        if "e2e_tok_s" in eager:
+        if "e2e_tok_s" in eager and 1 in sweep:
             lines.append(f"transformers {hf['version']} eager generate, batch 1: {eager['e2e_tok_s']:.1f} tok/s "
                          f"end-to-end; zoo/transformers {sweep[1]['e2e_tok_s'] / eager['e2e_tok_s']:.1f}x.")
         if "e2e_tok_s" in static:

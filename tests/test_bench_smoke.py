@@ -148,6 +148,23 @@ def test_gpu_benchmark_sets_named_switches_and_refuses_unknown_ones():
         gpu.set_switches(["fused_ops.NO_SUCH_SWITCH=1"])
 
 
+def test_gpu_benchmark_reports_a_short_run_of_batch_1_alone(tmp_path):
+    # bench/gpu.py --batches 1 --skip-prefill --skip-offline --skip-hf: the batch-1 figure in a short device window;
+    # its report holds what ran and nothing of what did not.
+    import torch
+
+    gpu = bench_module("gpu")
+    record = {"device": "a GPU", "torch": torch.__version__, "command": "gpu.py --batches 1 --skip-offline",
+              "copy_bandwidth_TBps": 4.0, "weight_bytes": int(2.47e9), "zoo_overlap_steps": True,
+              "zoo_sweep": {1: {"decode_tok_s": 1100.0, "step_ms": 0.909, "roofline_step_ms": 0.6175,
+                                "roofline_fraction": 0.679, "e2e_tok_s": 1000.0}}}
+    gpu.write_reports(record, tmp_path)
+    report = (tmp_path / "gpu.md").read_text()
+    assert "| 1 | 1100 | 0.91 | 0.62 | 68% | - | - | - |" in report
+    assert "Offline" not in report and "Prefill" not in report and "transformers" not in report
+    assert json.loads((tmp_path / "gpu.json").read_text())["zoo_sweep"]["1"]["decode_tok_s"] == 1100.0
+
+
 def test_the_profiles_interleaved_engines_are_refused_where_they_cannot_fit():
     # Round 13's A/B of nine variants with 16,384 cache blocks each ran an H100 out of memory 46 s in; the check
     # refuses at once and names the cache size that fits.
