@@ -183,9 +183,10 @@ DEPS_PATH=
 export PY ROOT STAGE OUT DEPS_PATH
 export -f install_deps install_deps_target install_target install_editable with_tree
 
-install_serve_extra() {  # the serve extra's packages, where the device lacks them, from the carried wheels
+SERVE_EXTRA="fastapi uvicorn uvloop httptools jinja2 prometheus_client"
+install_carried() {  # install_carried PKG...: those the device lacks, from the carried wheels
   local pkg
-  for pkg in fastapi uvicorn uvloop httptools jinja2 prometheus_client; do
+  for pkg in "$@"; do
     "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" \
       --no-cache-dir "$pkg" > "$STAGE/install_$pkg.log" 2>&1 || echo "note: $pkg not installed"
   done
@@ -286,7 +287,8 @@ want arrivals && run_part "arrivals" "${ARRIVALS_CAP_S:-300}" "$OUT/arrivals.txt
 
 if want serve; then
   mkdir -p "$OUT/serve"
-  install_serve_extra
+  # shellcheck disable=SC2086
+  install_carried $SERVE_EXTRA
   command -v py-spy > /dev/null || "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" --no-cache-dir \
     py-spy > "$STAGE/install_py-spy.log" 2>&1 || echo "note: py-spy not installed (serve.py --py-spy needs it)"
   # shellcheck disable=SC2086
@@ -304,7 +306,8 @@ fi
 # ---------------------------------------------------------------- (c) tests on CUDA, current tree
 if want tests; then
   [ -n "$DEPS_PATH" ] && export PYTHONPATH=$DEPS_PATH
-  install_serve_extra  # or tests/test_serve.py skips, and bench/serve.py's smoke test fails
+  # shellcheck disable=SC2086
+  install_carried $SERVE_EXTRA openai httpx  # or tests/test_serve.py skips, and bench/serve.py's smoke test fails
   if ! run_part install_editable 120 "$STAGE/install_editable.log" install_editable; then
     export PYTHONPATH=/tmp/zoo_current${DEPS_PATH:+:$DEPS_PATH}  # the --target copy registers the entry points
     status "note    tests use PYTHONPATH=$PYTHONPATH (editable install failed)"
