@@ -288,7 +288,7 @@ want arrivals && run_part "arrivals" "${ARRIVALS_CAP_S:-300}" "$OUT/arrivals.txt
 if want serve; then
   mkdir -p "$OUT/serve"
   # shellcheck disable=SC2086
-  install_carried $SERVE_EXTRA
+  install_carried $SERVE_EXTRA aiohttp  # bench/serve.py's clients
   command -v py-spy > /dev/null || "$PY" -m pip install --no-index --find-links "$ROOT/.carry/wheels" --no-cache-dir \
     py-spy > "$STAGE/install_py-spy.log" 2>&1 || echo "note: py-spy not installed (serve.py --py-spy needs it)"
   # shellcheck disable=SC2086
@@ -307,7 +307,7 @@ fi
 if want tests; then
   [ -n "$DEPS_PATH" ] && export PYTHONPATH=$DEPS_PATH
   # shellcheck disable=SC2086
-  install_carried $SERVE_EXTRA openai httpx  # or tests/test_serve.py skips, and bench/serve.py's smoke test fails
+  install_carried $SERVE_EXTRA openai httpx aiohttp  # or tests/test_serve.py skips, and bench/serve.py's smoke test fails
   if ! run_part install_editable 120 "$STAGE/install_editable.log" install_editable; then
     export PYTHONPATH=/tmp/zoo_current${DEPS_PATH:+:$DEPS_PATH}  # the --target copy registers the entry points
     status "note    tests use PYTHONPATH=$PYTHONPATH (editable install failed)"

@@ -3,7 +3,8 @@
 # package registry and lacks hydra, omegaconf and antlr4 (see the header of gpu_session.sh):
 #   .carry/wheels/    wheels for the device's Python (3.12, manylinux x86_64): hydra-core, omegaconf, antlr4 (built
 #                     here: it has no wheel on the registry), pluggy, setuptools, wheel, peft with accelerate and
-#                     psutil, the serve extra with its needs, openai and httpx for the server's tests, py-spy
+#                     psutil, the serve extra with its needs, openai and httpx for the server's tests, aiohttp for
+#                     bench/serve.py's clients, py-spy
 #   .carry/gpt_fast/  ../shared/anchors/gpt_fast, the peer the GPU benchmark runs beside zoo (GPU_ARGS="--gpt-fast
 #                     .carry/gpt_fast")
 #
@@ -21,9 +22,9 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
   peft accelerate psutil py-spy
 # The serve extra with what it needs, resolved by pip: fastapi's requirements grow between releases (0.165 added
 # opentelemetry-api, which a hand-kept list missed and the device could not install); and the clients that
-# tests/test_serve.py drives the server with (openai, httpx: test extras the device lacks)
+# tests/test_serve.py drives the server with (openai, httpx: test extras the device lacks), and bench/serve.py's (aiohttp)
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
-  -d "$DEST/wheels" fastapi uvicorn uvloop httptools jinja2 prometheus_client openai httpx
+  -d "$DEST/wheels" fastapi uvicorn uvloop httptools jinja2 prometheus_client openai httpx aiohttp
 "$PY" -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w "$DEST/wheels"
 if [ -d ../shared/anchors/gpt_fast ]; then
   rm -rf "$DEST/gpt_fast" && cp -r ../shared/anchors/gpt_fast "$DEST/gpt_fast"

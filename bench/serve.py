@@ -15,6 +15,7 @@ field: the server is started with ``sampling.ignore_eos=true``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -23,20 +24,8 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
-
-
-# The openai client's HTTP library (httpx, renamed httpx2 in its 2.x releases); the openai client itself is not
-# needed, so the device machine runs this with what it has.
-try:
-    import httpx2 as HTTP
-except ImportError:
-    import httpx as HTTP
-
-
-# one connection pool for every worker thread (a client per request would build an SSL context each time)
-SESSION = HTTP.Client(limits=HTTP.Limits(max_connections=256, max_keepalive_connections=256))
+import urllib.request
 
 
 def json_or_text(value: str):
@@ -61,7 +50,8 @@ def start_server(args, port):
         if proc.poll() is not None:
             raise SystemExit(f"the server exited: {server_log_tail(args)}")
         try:
-            return proc, base_url, SESSION.get(base_url + "models", timeout=5).json()["data"][0]["id"]
+            with urllib.request.urlopen(base_url + "models", timeout=5) as reply:
+                return proc, base_url, json.load(reply)["data"][0]["id"]
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(0.3)
     raise SystemExit("the server did not start")
@@ -88,16 +78,18 @@ def server_log_tail(args, lines=40) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def one_request(base_url, model, prompt, max_tokens, record):
+async def one_request(session, base_url, model, prompt, max_tokens, record) -> None:
     """One streamed completion over raw HTTP (the openai client's parsing would load the client side, which shares
     this machine's cores with the server)."""
     start = time.perf_counter()
     stamps, tokens = [], 0
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    with SESSION.stream("POST", base_url + "completions", json=body, timeout=600) as reply:
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    async with session.post(base_url + "completions", json=body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:300]}")
+        async for line in reply.content:  # one server-sent event's line at a time
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:  # the stream's error event: the request failed, and the level with it
@@ -146,33 +138,47 @@ def process_group(server_pid: int) -> dict[str, list[int]]:
     return pids
 
 
-def client_threads(base_url, model, prompts, max_tokens, threads) -> list[dict]:
-    """``threads`` clients taking the prompts in turn, each streaming one request at a time."""
-    records, queue_lock, next_index = [], threading.Lock(), [0]
+def clients(base_url, model, prompts, max_tokens, concurrency) -> tuple[list[dict], list[str]]:
+    """``concurrency`` clients taking the prompts in turn, each streaming one request at a time: coroutines on one
+    event loop over aiohttp, as vLLM's ``benchmark_serving`` drives a server. Threads over httpx cost the client 85-120
+    us of CPU per token against 28-38 here, taken from the cores the server shares with it
+    (bench/results/serve/cpu_client_ab.txt). Returns the records and the errors of requests that failed."""
+    import aiohttp
 
-    def worker():
-        while True:
-            with queue_lock:
-                i = next_index[0]
-                next_index[0] += 1
-            if i >= len(prompts):
-                return
-            one_request(base_url, model, prompts[i], max_tokens, records)
+    async def level():
+        records, errors, queue = [], [], iter(prompts)
+        # no cap on connections (aiohttp's default is 100); a session per level, so no level reuses a connection
+        # the server may have closed while idle
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            async def client():
+                for prompt in queue:
+                    try:
+                        await one_request(session, base_url, model, prompt, max_tokens, records)
+                    except Exception as exc:  # noqa: BLE001 - the level fails with the first error, not a traceback
+                        errors.append(f"{type(exc).__name__}: {exc}")
+                        return
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        return records, errors
 
-    workers = [threading.Thread(target=worker) for _ in range(threads)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join()
-    return records
+    try:
+        import uvloop  # the serve extra's: libuv's loop costs the client less per token
+
+        return uvloop.run(level())
+    except ImportError:
+        return asyncio.run(level())
 
 
-def client_process(base_url, model, prompts, max_tokens, threads, ready, go, results) -> None:
+def client_process(base_url, model, prompts, max_tokens, concurrency, ready, go, results) -> None:
     ready.put(1)
     go.wait()
     cpu = time.process_time()
-    records = client_threads(base_url, model, prompts, max_tokens, threads)
-    results.put((records, time.process_time() - cpu))  # its busy time during the level, not its start-up
+    records, errors = clients(base_url, model, prompts, max_tokens, concurrency)
+    results.put((records, errors, time.process_time() - cpu))  # its busy time during the level, not its start-up
+
+
+class LevelFailed(RuntimeError):
+    """Requests of a level failed: the benchmark stops with the first error and the server's last lines."""
 
 
 def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None, processes=1):
@@ -182,7 +188,7 @@ def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None, proc
     cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
     if processes == 1:
         start = time.perf_counter()
-        records = client_threads(base_url, model, prompts, max_tokens, concurrency)
+        records, errors = clients(base_url, model, prompts, max_tokens, concurrency)
         wall = time.perf_counter() - start
     else:
         import multiprocessing
@@ -200,12 +206,14 @@ def run_level(base_url, model, prompts, max_tokens, concurrency, pids=None, proc
         go.set()
         finished = [results.get(timeout=1200) for _ in procs]
         wall = time.perf_counter() - start
-        records = [r for part, _ in finished for r in part]
-        children_cpu = sum(cpu for _, cpu in finished)
+        records = [r for part, _, _ in finished for r in part]
+        errors = [e for _, part, _ in finished for e in part]
+        children_cpu = sum(cpu for _, _, cpu in finished)
         for proc in procs:
             proc.join()
-    if len(records) < len(prompts):
-        return None
+    if errors or len(records) < len(prompts):
+        raise LevelFailed(f"{len(prompts) - len(records)} of {len(prompts)} requests failed at concurrency "
+                          f"{concurrency}" + (f"; the first: {errors[0]}" if errors else ""))
     ttft = sorted(r["ttft"] for r in records)
     # how busy each process kept its cores: on a small machine the client takes cores the engine would use
     cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall for name, pid in (pids or {}).items()}
@@ -289,7 +297,7 @@ def main() -> int:
         os.sched_setaffinity(0, clients)  # this process's client threads and the client processes it spawns
     pairs = []
     try:
-        one_request(base_url, model, prompts[0], 4, [])
+        run_level(base_url, model, prompts[:1], 4, 1)
         print(f"first request done; the server's log so far:\n{server_log_tail(args)}", flush=True)
         # Warm-up: a full round at the widest concurrency: the step shapes it brings compile their kernel variants
         # now (Triton caches them on disk, so LLM.generate below starts warm too), not inside the measured levels.
@@ -319,6 +327,8 @@ def main() -> int:
                               "ratio": served["output_tok_s"] / alone, "cpu_cores_busy": served["cpu_cores_busy"]})
                 print(f"  pair {len(pairs)}: LLM.generate {alone:.0f} output tok/s, serve / offline = "
                       f"{pairs[-1]['ratio']:.2f}", flush=True)
+    except LevelFailed as exc:
+        raise SystemExit(f"{exc}; the server's last lines:\n{server_log_tail(args)}") from None
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -353,9 +363,6 @@ def main() -> int:
 def measured_level(args, proc, base_url, model, prompts, concurrency) -> dict:
     r = run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens, concurrency,
                   process_group(proc.pid), args.client_processes)
-    if r is None:
-        raise SystemExit(f"requests failed at concurrency {concurrency}; the server's last lines:\n"
-                         f"{server_log_tail(args)}")
     print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
           f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms, "
           f"TPOT mean {r['tpot_mean_ms']:.2f} ms; cores busy: "
