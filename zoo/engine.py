@@ -14,7 +14,7 @@ from zoo.beam_search import BeamSearch
 from zoo.block_manager import BlockManager
 from zoo.commit import Committer
 from zoo.decoding import choose_method, draft_limit, fit_drafts
-from zoo.engine_setup import EngineSetup, device_and_dtype
+from zoo.engine_setup import EngineSetup, device_and_dtype, keep_freed_host_memory
 from zoo.errors import ZooError
 from zoo.intake import RequestIntake
 from zoo.kv_cache import plan_num_blocks
@@ -63,6 +63,8 @@ class Engine:
         self.plugin_manager = load_plugins(disable=config["plugins"]["disable"] or (), extra=extra_plugins)
         self.hooks = self.plugin_manager.hook
         self.device, self.dtype = device_and_dtype(runtime)
+        if self.device.type == "cpu" and runtime["cpu_keep_freed_memory"]:
+            keep_freed_host_memory()
         # What the process held before this engine: not counted in its gpu_memory_utilization share.
         self.allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.checkpoint = open_checkpoint(config["model"], self.plugin_manager)

@@ -66,6 +66,7 @@ RUNTIME = {
     "block_size": Setting(int, 1, 4096),
     "num_kv_blocks": Setting(int, 1, optional=True),
     "cpu_kv_cache_gb": Setting(float, positive=True),
+    "cpu_keep_freed_memory": Setting(bool),
     "gpu_memory_utilization": Setting(float, 0.01, 1.0),
     "max_num_seqs": Setting(int, 1),
     "max_num_batched_tokens": Setting(int, 1),
