@@ -38,7 +38,7 @@ def keep_freed_host_memory() -> bool:
     A CPU step allocates and frees the same tensors every time: the gathered KV blocks, the activations. By default
     malloc maps blocks above its threshold fresh and unmaps them on free, and trims the heap's top: each step then
     touches new pages, a page fault each 4 KB, and the kernel zeroes them. With the embedded model at 64 sequences
-    that was 110-160k faults per 16k tokens. Kept, one compute thread gave 8513 output tok/s against 6692, and two
+    that was 110-190k faults per 16k tokens. Kept, one compute thread gave 8513 output tok/s against 6692, and two
     9524 against 9039 (medians of 3, bench/results/cpu_keep_freed_memory.txt). The cost: the process keeps its
     peak working set of such blocks instead of handing it back between steps. Returns whether it applied (not on
     musl, macOS or Windows)."""
