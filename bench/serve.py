@@ -162,7 +162,7 @@ def clients(base_url, model, prompts, max_tokens, concurrency) -> tuple[list[dic
         return records, errors
 
     try:
-        import uvloop  # the serve extra's: libuv's loop costs the client less per token
+        import uvloop  # the serve extra's event loop, which the server runs on too
 
         return uvloop.run(level())
     except ImportError:
@@ -269,8 +269,8 @@ def main() -> int:
             args.runtime.append("gpu_memory_utilization=0.4")
             print("--interleave on CUDA: gpu_memory_utilization=0.4 for the server and LLM.generate each", flush=True)
     if args.server_cpus:
-        clients = set(os.sched_getaffinity(0)) - set(args.server_cpus)
-        if not clients or not set(args.server_cpus) <= os.sched_getaffinity(0):
+        client_cpus = set(os.sched_getaffinity(0)) - set(args.server_cpus)
+        if not client_cpus or not set(args.server_cpus) <= os.sched_getaffinity(0):
             raise SystemExit(f"--server-cpus {args.server_cpus}: name cores of {sorted(os.sched_getaffinity(0))} "
                              "and leave at least one for the clients")
     if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
@@ -294,7 +294,7 @@ def main() -> int:
 
     proc, base_url, model = start_server(args, free_port())
     if args.server_cpus:
-        os.sched_setaffinity(0, clients)  # this process's client threads and the client processes it spawns
+        os.sched_setaffinity(0, client_cpus)  # this process's clients and the client processes it spawns
     pairs = []
     try:
         run_level(base_url, model, prompts[:1], 4, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from zoo import LLM, SamplingParams, hookimpl
 
 MAX_NEW = 12
 LOGIT_ATOL = 1e-4  # float32 on CPU: zoo's paged attention vs transformers' SDPA/eager
+ON_CPU = os.environ["ZOO_DEVICE"] == "cpu"
 
 # runtime settings per regime: (kwargs, what must have happened)
 REGIMES = {
@@ -210,10 +212,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, sum(len(o.tok
 """
 
 
-ON_CPU = os.environ["ZOO_DEVICE"] == "cpu"
-
-
-@pytest.mark.skipif(not ON_CPU or __import__("platform").libc_ver()[0] != "glibc",
+@pytest.mark.skipif(not ON_CPU or platform.libc_ver()[0] != "glibc",
                     reason="runtime.cpu_keep_freed_memory: glibc's malloc, on CPU")
 def test_kept_freed_memory_spares_the_steps_page_faults():
     """runtime.cpu_keep_freed_memory (on by default): after a warm-up, a run of 64 sequences' steps maps almost no
@@ -241,5 +240,5 @@ def test_the_engine_keeps_freed_memory_only_when_asked(checkpoints, monkeypatch)
     assert calls == []
     LLM(folder, model=ZOO_MODEL_OPTION["llama"])
     assert calls == [1]
-    if __import__("platform").libc_ver()[0] == "glibc":
+    if platform.libc_ver()[0] == "glibc":
         assert keep_freed_host_memory()  # mallopt took both settings
