@@ -46,6 +46,7 @@ def assert_one_line(proc, message):
     ("runtime.gpu_memory_utilization=1.5", "runtime.gpu_memory_utilization=1.5: must be a number in [0.01, 1.0]"),
     ("runtime.seed=abc", "runtime.seed='abc': must be an integer >= 0"),
     ("runtime.enable_prefix_caching=maybe", "runtime.enable_prefix_caching='maybe': must be true or false"),
+    ("runtime.cpu_keep_freed_memory=maybe", "runtime.cpu_keep_freed_memory='maybe': must be true or false"),
     ("runtime.attention_backend=flash", "runtime.attention_backend='flash': must be one of auto, sdpa, triton"),
     ("runtime.device=gpu", "runtime.device='gpu': must be auto, cpu, cuda or cuda:N"),
     ("runtime.dtype=float8", "runtime.dtype='float8': must be one of auto, float32, float16, bfloat16"),
