@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from conftest import ZOO_MODEL_OPTION, hf_greedy, prompt_set
 from zoo import LLM, SamplingParams
 from zoo.errors import ZooError
-from zoo.parallel import leave
+from zoo.parallel import end_rank
 
 MAX_NEW = 8
 LOGPROB_ATOL = 1e-4  # float32: the all-reduce adds the ranks' partial sums in another order than one product
@@ -27,14 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def finish_rank() -> None:
-    """Leave the group (multiprocessing's children skip exit handlers), then exit at once: the result is on disk, and
-    C++ destructors at interpreter exit are where gloo's threads can abort a process ("terminate called without an
-    active exception", seen once in CI on rank 0; whether it died in leave() or after is not known)."""
-    leave()
-    os._exit(0)
 
 
 def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, decoding=None, overrides=()):
@@ -62,7 +54,7 @@ def _rank(rank, world, port, folder, option, prompts, out_dir, adapters=None, de
 
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finish_rank()
+    end_rank(0)  # multiprocessing's children skip exit handlers
 
 
 def run_ranks(folder, option, prompts, tmp_path, world=2, adapters=None, decoding=None, overrides=()):
@@ -132,7 +124,7 @@ def _rank_that_dies(rank, world, port, folder, option, prompts, out_dir):
         result = {"error": str(exc)}
     result["seconds"] = time.perf_counter() - start
     torch.save(result, os.path.join(out_dir, "rank0.pt"))
-    finish_rank()
+    end_rank(0)  # multiprocessing's children skip exit handlers
 
 
 def test_a_killed_rank_ends_the_others_with_one_clear_error(checkpoints, tmp_path):
@@ -250,7 +242,7 @@ def _ranks_given_different_requests(rank, world, port, folder, out_dir):
     except ZooError as exc:
         result = {"error": str(exc)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finish_rank()
+    end_rank(0)  # multiprocessing's children skip exit handlers
 
 
 def test_ranks_given_different_requests_stop_with_a_clear_error(checkpoints, tmp_path):

@@ -313,7 +313,7 @@ def serve_rank(llm, conns: list, control, stream_interval: int = 1) -> None:
     except Exception as exc:  # noqa: BLE001 - only under tensor parallelism: the ranks can no longer agree
         print(f"error: zoo.serve engine rank stopped: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group's teardown would wait on the rank that failed
-    parallel.leave()
+    parallel.end_rank(0)
 
 
 class EngineClient:

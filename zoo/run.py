@@ -350,8 +350,20 @@ def main() -> None:
 
         print(settings_help(exit_on_error(lambda: compose_config([a for a in sys.argv[1:] if not a.startswith("-")]))))
         return
-    cli_main(_main)
-    sys.exit(sweep_report())
+    try:
+        cli_main(_main)
+        status = sweep_report()
+    except SystemExit as exc:
+        if "torch.distributed" not in sys.modules:  # torch never imported (a bad setting): no process group
+            raise
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    if "torch.distributed" in sys.modules:  # a tensor-parallel rank ends without the interpreter's teardown
+        from zoo.parallel import end_rank
+
+        end_rank(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
