@@ -147,7 +147,8 @@ def leave() -> None:
 def end_rank(status: int) -> None:
     """End this process with ``status`` if it is a rank of a process group, once its work is written: leave the
     group, flush, and exit without the interpreter's teardown; return otherwise. Ranks have died of SIGABRT after
-    their work ("terminate called without an active exception", a C++ thread of gloo's destroyed while joinable),
+    their work ("terminate called without an active exception": a C++ thread object destroyed while its thread runs,
+    presumably gloo's),
     twice in CI: a test's rank 0, and ``zoo.run``'s rank 1 under torchrun, which turned a good run's exit status
     into 1. Neither came back in 50 targeted runs, so which teardown step races is not known; exiting here skips
     the interpreter's finalization and the C++ destructors, where a thread would be destroyed."""
