@@ -146,12 +146,13 @@ def leave() -> None:
 
 def end_rank(status: int) -> None:
     """End this process with ``status`` if it is a rank of a process group, once its work is written: leave the
-    group, flush, and exit without the interpreter's teardown; return otherwise. Ranks have died of SIGABRT after
-    their work ("terminate called without an active exception": a C++ thread object destroyed while its thread runs,
-    presumably gloo's),
-    twice in CI: a test's rank 0, and ``zoo.run``'s rank 1 under torchrun, which turned a good run's exit status
-    into 1. Neither came back in 50 targeted runs, so which teardown step races is not known; exiting here skips
-    the interpreter's finalization and the C++ destructors, where a thread would be destroyed."""
+    group, flush, and exit without the interpreter's teardown; return otherwise.
+
+    Twice in CI a rank died of SIGABRT at the end of its run ("terminate called without an active exception": a C++
+    thread object destroyed while its thread runs, presumably gloo's): a test's rank 0, and ``zoo.run``'s rank 1
+    under torchrun, which turned the run's exit status into 1. Neither came back in 50 targeted runs, so which step
+    of the teardown races is not known. Exiting here skips the interpreter's finalization and the C++ destructors,
+    where such a thread would be destroyed."""
     if not dist.is_initialized():
         return
     leave()
