@@ -83,6 +83,12 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int):
     return tokens, torch.stack([l[0] for l in out.logits])
 
 
+# Tests that start two tensor-parallel ranks: under ZOO_DEVICE=cuda each rank takes a GPU of its own (NCCL), so a
+# one-GPU machine cannot run them (the engine's second rank fails to start: tests/test_serve.py on the H200).
+TWO_RANKS = pytest.mark.skipif(os.environ["ZOO_DEVICE"] == "cuda" and torch.cuda.device_count() < 2,
+                               reason="two tensor-parallel ranks on CUDA need two GPUs")
+
+
 def prompt_set(seed: int = 0) -> list[list[int]]:
     """Prompts of different lengths, some sharing a 20-token prefix (for prefix caching)."""
     g = torch.Generator().manual_seed(seed)

@@ -24,6 +24,7 @@ except ImportError:
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from conftest import TWO_RANKS  # noqa: E402
 from zoo import LLM, SamplingParams  # noqa: E402
 from zoo.engine_process import free_port  # noqa: E402
 
@@ -772,6 +773,7 @@ def test_the_engine_process_exits_when_the_http_process_is_killed(model_dir, tmp
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the engine processes through /proc")
+@TWO_RANKS
 def test_tensor_parallel_serving_gives_one_process_tokens_and_a_dead_rank_is_503(model_dir, local, tmp_path):
     """runtime.tensor_parallel_size=2 (gloo on CPU): two engine processes, rank 0 handing both the same requests
     each step. Streamed and whole completions, several at once, equal the one-process Python API; a disconnect

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import ZOO_MODEL_OPTION, hf_greedy, prompt_set
+from conftest import TWO_RANKS, ZOO_MODEL_OPTION, hf_greedy, prompt_set
 from zoo import LLM, SamplingParams
 from zoo.errors import ZooError
 from zoo.parallel import end_rank
@@ -76,6 +76,7 @@ def checkpoint_bytes(folder) -> int:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2"])
+@TWO_RANKS
 def test_two_ranks_give_the_tokens_of_one_process(checkpoints, name, tmp_path):
     """llama: GQA; qwen2: q/k/v biases and tied embeddings; mistral: one KV head, kept whole on both ranks;
     gpt2: converted while loading (fused q/k/v, Conv1D), learned positions, LayerNorm, row-parallel biases."""
@@ -127,6 +128,7 @@ def _rank_that_dies(rank, world, port, folder, option, prompts, out_dir):
     end_rank(0)  # multiprocessing's children skip exit handlers
 
 
+@TWO_RANKS
 def test_a_killed_rank_ends_the_others_with_one_clear_error(checkpoints, tmp_path):
     folder, _ = checkpoints["llama"]
     context = mp.start_processes(_rank_that_dies, args=(2, free_port(), str(folder), "llama", prompt_set()[:2],
@@ -138,6 +140,7 @@ def test_a_killed_rank_ends_the_others_with_one_clear_error(checkpoints, tmp_pat
     assert result["seconds"] < 60
 
 
+@TWO_RANKS
 def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     """``python -m zoo.run runtime.tensor_parallel_size=2`` runs itself under torchrun; rank 0 writes the records.
     The two-rank run reads its requests from a pipe (``input.file=/dev/stdin``), which only one process can read:
@@ -165,6 +168,7 @@ def test_the_command_line_starts_its_ranks_itself(checkpoints, tmp_path):
     assert outputs[2] == outputs[1] and len(outputs[1]) == 3
 
 
+@TWO_RANKS
 def test_eagle3_on_two_ranks_gives_the_tokens_of_plain_decoding(eight_layer_llama, tmp_path):
     """EAGLE-3: three target layers' features, q/k/v over doubled inputs, its own head kept whole."""
     folder, model = eight_layer_llama
@@ -176,6 +180,7 @@ def test_eagle3_on_two_ranks_gives_the_tokens_of_plain_decoding(eight_layer_llam
 
 
 @pytest.mark.parametrize("method", ["lookahead", "medusa", "eagle"])
+@TWO_RANKS
 def test_drafting_on_two_ranks_gives_the_tokens_of_plain_decoding(checkpoints, tmp_path, method):
     """Verify steps with draft trees under the split: every rank proposes the same drafts (lookahead's n-grams;
     Medusa's fresh heads, started from the LM head gathered from both ranks, run whole on each; EAGLE's draft
@@ -188,6 +193,7 @@ def test_drafting_on_two_ranks_gives_the_tokens_of_plain_decoding(checkpoints, t
         assert rank["tokens"] == [hf_greedy(model, p, MAX_NEW)[0] for p in prompts]
 
 
+@TWO_RANKS
 def test_a_lora_and_a_prompt_tuning_batch_on_two_ranks(tmp_path):
     """LoRA's A and B cut like the layer they change (B by rows for q/k/v and gate/up, A by columns for o and
     down); prompt tuning's virtual rows written after the vocabulary-parallel embedding. Against one process,
@@ -215,6 +221,7 @@ def test_a_lora_and_a_prompt_tuning_batch_on_two_ranks(tmp_path):
                                   atol=LOGPROB_ATOL, rtol=0), f"request {i}"
 
 
+@TWO_RANKS
 def test_qwen2_vl_images_on_two_ranks(qwen2_vl, tmp_path):
     """mRoPE's three position rows and image rows written into the embeddings; the vision tower runs whole on
     every rank (no split rule names it)."""
@@ -245,6 +252,7 @@ def _ranks_given_different_requests(rank, world, port, folder, out_dir):
     end_rank(0)  # multiprocessing's children skip exit handlers
 
 
+@TWO_RANKS
 def test_ranks_given_different_requests_stop_with_a_clear_error(checkpoints, tmp_path):
     """Rank 0 schedules; the fingerprints gathered with its decisions each step catch ranks that hold other requests."""
     mp.spawn(_ranks_given_different_requests, args=(2, free_port(), str(checkpoints["llama"][0]), str(tmp_path)),
