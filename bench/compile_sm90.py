@@ -59,6 +59,8 @@ PRODUCT = dict(PDL=True, WEIGHTS_FIRST=fused_ops.WEIGHTS_FIRST)  # the weight-st
 # (name, kernel, pointers not bf16 ("*": all of them), constexprs, launch options)
 CASES = [
     ("add_rms_norm", fused_ops._add_rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=2048, **PDL), {}),
+    ("add_rms_norm of MLP sums", fused_ops._add_rms_norm_kernel, {"X": "*fp32"},
+     dict(HAS_RESIDUAL=True, BLOCK=2048, X_ACCUMULATED=True, **PDL), {}),
     ("rope_cache_write", fused_ops._rope_cache_write_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HALF=32, HAS_ROPE=True, **PDL),
      fused_ops.EXACT_ROUNDING),
@@ -73,6 +75,10 @@ CASES = [
      dict(HAS_BIAS=False, IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, **PRODUCT), {}),
     ("gate_up_silu, narrow", fused_ops._gate_up_silu_kernel, {},
      dict(HAS_BIAS=False, IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, **PRODUCT), {}),
+    ("mlp_split_k", fused_ops._mlp_split_k_kernel, {"Acc": "*fp32"},
+     dict(IEEE=False, DOT=True, BLOCK_M=16, PAIR=32, BLOCK_K=128, OUT_TILE=128, DOWN_DOT=True, **PRODUCT), {}),
+    ("mlp_split_k, narrow", fused_ops._mlp_split_k_kernel, {"Acc": "*fp32"},
+     dict(IEEE=False, DOT=False, BLOCK_M=1, PAIR=4, BLOCK_K=1024, OUT_TILE=64, DOWN_DOT=False, **PRODUCT), {}),
     ("qkv_rope_cache", fused_ops._qkv_rope_cache_kernel, {"SlotMapping": "*i64"},
      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, HAS_ROPE=True, HAS_BIAS=False, IEEE=False, DOT=True,
           BLOCK_M=16, PAIR=16, BLOCK_K=512, **PRODUCT), fused_ops.EXACT_ROUNDING),

@@ -14,6 +14,8 @@
 #                                            `lora` = bench/lora_gpu.py (LORA_ARGS, LORA_CAP_S)
 #                                            `profile` = bench/profile_gpu_step.py (PROFILE_ARGS, PROFILE_CAP_S)
 #                                            `gemv` = bench/gemv_kernel.py (GEMV_ARGS, GEMV_CAP_S)
+#                                            `mlp` = bench/mlp_split_k.py (MLP_ARGS, MLP_CAP_S): the MLP as one
+#                                            split-K launch against two, first of the parts
 #                                            `norm_gemv` = bench/norm_gemv.py (the norm folded into the GEMV)
 #                                            `barrier` = bench/grid_barrier.py (BARRIER_ARGS, BARRIER_CAP_S): a
 #                                            kernel boundary against a persistent kernel's grid barrier
@@ -74,8 +76,8 @@ for a in "$@"; do
     --quick) QUICK=1 ;;
     bench) PARTS+=(gpu cpu) ;;
     all) PARTS+=(gpu cpu tests) ;;
-    gpu|cpu|tests|anchor|spec|lora|profile|gemv|norm_gemv|barrier|serve|offline|arrivals) PARTS+=("$a") ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    gpu|cpu|tests|anchor|spec|lora|profile|gemv|mlp|norm_gemv|barrier|serve|offline|arrivals) PARTS+=("$a") ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
 done
@@ -267,6 +269,9 @@ bench_part() {
   mkdir -p "$OUT/$folder"
   run_part "$name" "$cap" "$OUT/$folder/$folder.log" with_tree current "$PY" "$ROOT/bench/$script" --out "$OUT/$folder" "$@"
 }
+# shellcheck disable=SC2086
+want mlp && run_part "mlp_split_k" "${MLP_CAP_S:-200}" "$STAGE/mlp_split_k.log" \
+  with_tree current "$PY" "$ROOT/bench/mlp_split_k.py" --out "$OUT/mlp_split_k.txt" ${MLP_ARGS:-}
 # shellcheck disable=SC2086
 want profile && bench_part profile_gpu_step "${PROFILE_CAP_S:-300}" profile_gpu_step.py profile ${PROFILE_ARGS:-}
 if want gemv; then

@@ -109,9 +109,15 @@ for _name, _tile in (("narrow_4col", (4, 2048, 3, 2)), ("narrow_4col_4warps", (4
 # the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
 # residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
 # (no_attention)
+# The MLP as one split-K launch (fused_ops.MLP_SPLIT_K), on its default tile and two other splits of the
+# intermediate columns (PAIR 16 and 64)
+VARIANTS["split_k"] = dict(VARIANTS["current"], split_k=True)
+for _pair in (16, 64):
+    VARIANTS[f"split_k_p{_pair}"] = dict(VARIANTS["current"], split_k=True, split_k_pair=_pair)
 for _part in ("norms", "merge", "attention"):
     VARIANTS[f"no_{_part}"] = dict(VARIANTS["current"], ablate=_part)
 TRITON_ARGMAX = None
+SPLIT_K_CONFIG = None  # fused_ops.MLP_SPLIT_K_CONFIG as imported
 
 
 class _NoLaunch:
@@ -129,7 +135,7 @@ def ablate(part: str | None) -> None:
 
     for (module, name), original in ABLATED.items():
         setattr(module, name, original)
-    patches = {"norms": [(fused_ops, "add_rms_norm", lambda x, residual, weight, eps: (x, x))],
+    patches = {"norms": [(fused_ops, "add_rms_norm", lambda x, residual, weight, eps, **_: (x, x))],
                "merge": [(triton_attention, "_merge_splits_kernel", _NoLaunch())],
                "attention": [(model, "paged_attention", lambda q, kv_cache, meta, scale: q)]}.get(part, [])
     for module, name, stand_in in patches:
@@ -138,8 +144,10 @@ def ablate(part: str | None) -> None:
 
 
 def apply(variant: dict) -> None:
-    global TRITON_ARGMAX
+    global TRITON_ARGMAX, SPLIT_K_CONFIG
     from zoo import fused_ops, triton_attention
+
+    SPLIT_K_CONFIG = SPLIT_K_CONFIG or fused_ops.MLP_SPLIT_K_CONFIG
 
     triton_attention.LAUNCH_PROGRAMS = 2048 if variant["lanes"] else 1 << 40
     fused_ops.GEMV_MAX_ROWS = variant["gemv_rows"]
@@ -153,6 +161,8 @@ def apply(variant: dict) -> None:
     fused_ops.WEIGHTS_FIRST = variant["weights_first"]
     triton_attention.CACHED_FIRST = variant["cached_first"]
     fused_ops.STEP_INPUT_KERNELS = variant["step_inputs"]
+    fused_ops.MLP_SPLIT_K = variant.get("split_k", False)
+    fused_ops.MLP_SPLIT_K_CONFIG = (variant.get("split_k_pair", SPLIT_K_CONFIG[0]), *SPLIT_K_CONFIG[1:])
     ablate(variant.get("ablate"))
 
 

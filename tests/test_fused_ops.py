@@ -122,6 +122,32 @@ def test_gate_up_silu_is_the_product_then_silu_and_mul(dtype, rows, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("config", [(32, 64, 64, 3, 4), (8, 32, 32, 1, 4)])  # 8: down's product without tl.dot
+def test_mlp_split_k_adds_the_mlp_into_the_sums_and_the_norm_takes_them(dtype, rows, config, monkeypatch):
+    """fused_ops.mlp_split_k: the gate/up product with SiLU and the down product as one launch, added into float32
+    sums; add_rms_norm with accumulated=True rounds them to the model dtype, adds the residual and zeroes them."""
+    monkeypatch.setattr(fused_ops, "MLP_SPLIT_K_CONFIG", config)
+    g = torch.Generator().manual_seed(20 + rows)
+    half, hidden = 1100, 96  # 1100: not a multiple of the column split; 96: of the down tile
+    x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    gate_up = torch.randn(2 * half, hidden, generator=g).to(DEVICE, dtype) / 4
+    down = torch.randn(hidden, half, generator=g).to(DEVICE, dtype) / 30
+    residual = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
+    sums = torch.zeros(4, hidden, dtype=torch.float32, device=DEVICE)
+    assert fused_ops.mlp_split_k(x, gate_up, down, sums[:rows]) is not None
+    expected = F.linear(fused_ops.gate_up_silu(x, gate_up, None), down)
+    torch.testing.assert_close(sums[:rows].to(dtype), expected, **tolerance(dtype))
+    assert not sums[rows:].any()
+    out, summed = fused_ops.add_rms_norm(sums[:rows], residual, norm.weight, norm.eps, accumulated=True)
+    assert out.dtype == summed.dtype == dtype and not sums.any()  # zeroed for the next layer
+    expected_out, expected_sum = add_norm(norm, expected, residual)
+    torch.testing.assert_close(summed, expected_sum, **tolerance(dtype))
+    torch.testing.assert_close(out, expected_out, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: a head's half spans several programs
 @pytest.mark.parametrize("rotary,bias", [(True, False), (True, True), (False, False)])
 def test_qkv_rope_and_cache_write_is_the_product_then_the_rope_kernel(dtype, head_dim, rotary, bias):
@@ -223,18 +249,21 @@ def test_no_programmatic_dependent_launch_off_hopper():
     assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
-@pytest.mark.parametrize("name,projection_rows,fold", [
-    ("llama", 0, True), ("qwen2", 0, True), ("llama", 64, False), ("llama", 64, True), ("qwen2", 64, True)])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, monkeypatch):
+@pytest.mark.parametrize("name,projection_rows,fold,split_k", [
+    ("llama", 0, True, True), ("qwen2", 0, True, True), ("llama", 64, False, True), ("llama", 64, True, False),
+    ("qwen2", 64, True, False), ("llama", 64, True, True)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, split_k, monkeypatch):
     """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
     with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
     the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues."""
+    products' epilogues; with split_k as well, the whole MLP as one launch (fused_ops.MLP_SPLIT_K)."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
+    monkeypatch.setattr(fused_ops, "MLP_SPLIT_K", split_k)
     calls = []  # the folding kernels and the step's input kernels that ran
-    for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu", "embedding", "rotate_half_tables"):
+    for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu", "mlp_split_k", "embedding",
+                        "rotate_half_tables"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
             calls.append(_name)
             return _kernel(*args)
@@ -248,7 +277,8 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
         assert out.token_ids == hf_greedy(model, prompt, 6)[0]
     assert llm.engine.advanced_in_place > 0  # overlapped steps' inputs advanced by fused_ops.advance_decode_rows
     folds_ran = fold and projection_rows > 0
-    assert set(calls) == ({"qkv_rope_and_write_cache", "gate_up_silu"} if folds_ran else set()) | {
+    mlp_kernel = "mlp_split_k" if split_k else "gate_up_silu"
+    assert set(calls) == ({"qkv_rope_and_write_cache", mlp_kernel} if folds_ran else set()) | {
         "embedding", "rotate_half_tables"}
 
 

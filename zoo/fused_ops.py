@@ -118,16 +118,23 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(X, Residual, Weight, Out, Summed, stride_x, stride_r, stride_o, stride_s, n_cols, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                             X_ACCUMULATED: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         valid = cols < n_cols
         x = tl.load(X + row * stride_x + cols, mask=valid, other=0.0)
+        if X_ACCUMULATED:  # mlp_split_k's float32 sums: rounded as the product would have been, then zeroed for
+            # the next layer's (every kernel in between waits for this one to finish)
+            x = x.to(Summed.dtype.element_ty)
+            tl.store(X + row * stride_x + cols, tl.zeros([BLOCK], tl.float32), mask=valid)
         if HAS_RESIDUAL:
             # The residual add rounds to the model dtype before the norm reads it, as in eager PyTorch.
             x = (x.to(tl.float32) + tl.load(Residual + row * stride_r + cols, mask=valid, other=0.0).to(tl.float32))
             x = x.to(Summed.dtype.element_ty)
+            tl.store(Summed + row * stride_s + cols, x, mask=valid)
+        elif X_ACCUMULATED:
             tl.store(Summed + row * stride_s + cols, x, mask=valid)
         xf = x.to(tl.float32)
         variance = tl.sum(xf * xf, 0) / n_cols
@@ -312,6 +319,37 @@ if triton is not None:
         cols = first + tl.arange(0, PAIR)
         tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], (activated * up.to(tl.float32)).to(dtype),
                  mask=(offs_m < rows)[:, None] & (cols < half)[None, :])
+
+    @triton.jit
+    def _mlp_split_k_kernel(X, W, Down, Acc, rows, half, k, hidden, stride_x, stride_w, stride_d, stride_a,
+                            IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, PAIR: tl.constexpr,
+                            BLOCK_K: tl.constexpr, OUT_TILE: tl.constexpr, DOWN_DOT: tl.constexpr,
+                            PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+        # The whole MLP of a decode step, split over its intermediate columns: this program's PAIR gate and up rows
+        # (with SiLU), then its PAIR columns of the down projection times them, added into the float32 sums Acc.
+        # Nothing waits for all of gate/up to finish before down starts, so one launch streams both.
+        first = tl.program_id(0) * PAIR
+        gate, up = _paired_product(X, W, W, first, half + first, half, rows, k, stride_x, stride_w,
+                                   False, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
+        dtype = X.dtype.element_ty
+        gate = gate.to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
+        act = (activated * up.to(tl.float32)).to(dtype)  # [BLOCK_M, PAIR], what gate_up_silu stores
+        offs_m = tl.arange(0, BLOCK_M)
+        row_ok = offs_m < rows
+        cols = first + tl.arange(0, PAIR)
+        col_ok = cols < half
+        for start in range(0, hidden, OUT_TILE):
+            outs = start + tl.arange(0, OUT_TILE)
+            out_ok = outs < hidden
+            w = tl.load(Down + outs[:, None] * stride_d + cols[None, :], mask=out_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            if DOWN_DOT:
+                partial = tl.dot(act, tl.trans(w), input_precision="ieee") if IEEE else tl.dot(act, tl.trans(w))
+            else:
+                partial = tl.sum(act.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            tl.atomic_add(Acc + offs_m[:, None] * stride_a + outs[None, :], partial,
+                          mask=row_ok[:, None] & out_ok[None, :], sem="relaxed")
 
     @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
@@ -533,6 +571,32 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
+# Whether a decode step's MLP (gated SiLU, no biases) runs as one launch, split over its intermediate columns
+# (``mlp_split_k``), where gate/up with SiLU and then down would stream their weights as two. The down product's
+# float32 partial sums meet by atomic adds, so their order, and the last bit of a sum now and then, changes from
+# run to run: off gives the same bits every run.
+MLP_SPLIT_K = False
+# Tiles of mlp_split_k: (PAIR intermediate columns a program, BLOCK_K, OUT_TILE down rows an iteration, num_stages,
+# num_warps).
+MLP_SPLIT_K_CONFIG = (32, 128, 128, 3, 4)
+
+
+def mlp_split_k(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """Adds ``F.linear(silu_and_mul(F.linear(x, gate_up)), down)`` into ``acc`` (float32 ``[rows, hidden]``, zeros
+    before), as one launch: each program streams a slice of gate/up and the down columns that slice feeds. Returns
+    ``acc``; ``add_rms_norm(acc, ..., accumulated=True)`` reads it and zeroes it again."""
+    rows, k = x.shape
+    half, hidden = gate_up.shape[0] // 2, down.shape[0]
+    pair, block_k, stages, warps = MLP_SPLIT_K_CONFIG[0], MLP_SPLIT_K_CONFIG[1], *MLP_SPLIT_K_CONFIG[3:]
+    tile = row_tile(rows, 2 * pair)
+    _mlp_split_k_kernel[(triton.cdiv(half, pair),)](
+        x, gate_up, down, acc, rows, half, k, hidden, x.stride(0), gate_up.stride(0), down.stride(0), acc.stride(0),
+        IEEE=gate_up.dtype == torch.float32, **tile, PAIR=pair, BLOCK_K=block_k, OUT_TILE=MLP_SPLIT_K_CONFIG[2],
+        DOWN_DOT=tile["DOT"] and pair >= 16, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
+        **pdl_options(x.device))
+    return acc
+
+
 def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
                              num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """``rope_and_write_cache`` applied to ``F.linear(x, weight, bias)`` split into q, k and v, as one launch.
@@ -555,15 +619,19 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
     return q
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 accumulated: bool = False):
+    """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``.
+    ``accumulated``: x is mlp_split_k's float32 sums, rounded to the residual's dtype first and zeroed after."""
     rows, cols = x.shape
-    out = torch.empty_like(x)
-    summed = torch.empty_like(x) if residual is not None else x
+    dtype = residual.dtype if accumulated else x.dtype
+    out = torch.empty(rows, cols, dtype=dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None or accumulated else x
     _add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), summed.stride(0), cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), **pdl_options(x.device))
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), **pdl_options(x.device),
+        X_ACCUMULATED=accumulated)
     return out, summed
 
 

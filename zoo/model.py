@@ -153,10 +153,31 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+class MLPSums:
+    """A decoder layer's MLP output still in the float32 sums that ``fused_ops.mlp_split_k`` adds into. The next
+    norm takes it: rounded to the model dtype (where the down product would have rounded), the residual added, and
+    the sums zeroed for the next layer's MLP (``add_norm``)."""
+
+    def __init__(self, sums: torch.Tensor, dtype: torch.dtype):
+        self.sums, self.dtype = sums, dtype
+
+    def rounded(self) -> torch.Tensor:
+        return self.sums.to(self.dtype)
+
+    def take(self) -> torch.Tensor:
+        out = self.rounded()
+        self.sums.zero_()
+        return out
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor | MLPSums, residual: torch.Tensor | None):
     """``(norm(x + residual), x + residual)``, a residual of None adding nothing; one kernel for RMSNorm on GPU."""
+    accumulated = isinstance(x, MLPSums)
     if isinstance(norm, RMSNorm) and norm.fused:
-        return fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return fused_ops.add_rms_norm(x.sums if accumulated else x, residual, norm.weight, norm.eps,
+                                      accumulated=accumulated)
+    if accumulated:  # a plugin's norm: the sums as the model dtype, then the plain ops
+        x = x.take()
     summed = x if residual is None else x + residual
     return norm(summed), summed
 
@@ -500,15 +521,23 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[desc.activation]
         self.gate_up_proj: FusedLinear | None = None  # set by fuse_projections
         self.fused = False  # set by DecoderModel.use_fused_ops
+        # float32 [rows, hidden] zeros that fused_ops.mlp_split_k adds into, shared by the decoder's layers; set by
+        # DecoderModel.use_fused_ops where the layer's output goes to a norm that takes MLPSums
+        self.sums: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
         if self.gate_proj is not None:
             self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x):
+    def forward(self, x) -> torch.Tensor | MLPSums:
         if self.gate_up_proj is not None and self.fused and self.act is F.silu:
             joint = self.gate_up_proj.joint
             if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight):
+                down = self.down_proj
+                if (self.sums is not None and x.shape[0] <= self.sums.shape[0] and type(down) is nn.Linear
+                        and down.bias is None and joint.bias is None):
+                    return MLPSums(fused_ops.mlp_split_k(x, joint.weight, down.weight, self.sums[:x.shape[0]]),
+                                   x.dtype)
                 activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
             else:
                 activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
@@ -584,7 +613,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(hidden, residual, rope)
             if i in self.captured_layers:
-                context.layer_outputs[i] = hidden + residual
+                context.layer_outputs[i] = (hidden.rounded() if isinstance(hidden, MLPSums) else hidden) + residual
         return add_norm(self.model.norm, hidden, residual)[0]
 
     def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -633,6 +662,14 @@ class DecoderModel(nn.Module):
             elif isinstance(module, Attention):
                 module.fused = on and head_ok
                 module.fused_projections = on
+        # The decoder's own layers: each one's output goes to the next layer's norm or the final one. Under tensor
+        # parallelism the MLP's output is all-reduced first, as the model dtype.
+        sums = None
+        if on and fused_ops.MLP_SPLIT_K and self.parallel is None:
+            sums = torch.zeros(fused_ops.PROJECTION_GEMV_MAX_ROWS, desc.hidden_size, dtype=torch.float32,
+                               device=self.lm_head.weight.device)
+        for layer in self.model.layers:
+            layer.mlp.sums = sums
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:  # this rank's vocabulary columns, then all of them on every rank
