@@ -1,7 +1,7 @@
 """The MLP of a decode step as one split-K launch (fused_ops.mlp_split_k) against zoo's two (gate/up with SiLU, then
 down), on Llama-3.2-1B's MLP shape, for every layer of the model in one CUDA graph.
 
-    python bench/mlp_split_k.py [--rows 1 2 4] [--sweep] [--rounds 7] [--out FILE]
+    python bench/mlp_split_k.py [--rows 1 2 4] [--sweep | --quick-sweep] [--rounds 7] [--out FILE] [--best-out FILE]
 
 A graph holds, per layer, the norm that reads the MLP's output (with the residual add) and the MLP: 16 layers of
 their own weights (1.6 GB, so none stays in L2 from one layer to the next, as in a decode step), under zoo's launch
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -65,6 +66,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--quick-sweep", action="store_true", help="--sweep over the splits (PAIR) and down tiles only")
+    p.add_argument("--best-out", default=None, help="write the best tile as JSON, for --set in bench/gpu.py")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -75,14 +78,16 @@ def main() -> int:
     ideal = (3 * INTERMEDIATE * HIDDEN * 2) / (4.28e12) * 1e6
     say(f"{LAYERS} layers of gate/up {2 * INTERMEDIATE}x{HIDDEN} and down {HIDDEN}x{INTERMEDIATE}, bf16; "
         f"{ideal:.2f} us a layer at 4.28 TB/s")
-    if args.sweep:
+    if args.sweep or args.quick_sweep:
         separate, _ = build(1, False, layers)
         base = min(per_layer_us(separate) for _ in range(3))
         say(f"two launches (gate/up, down) at 1 row: {base:.2f} us a layer")
         say("| (PAIR, BLOCK_K, OUT_TILE, stages, warps) | us a layer | against two launches |")
         say("|---|---|---|")
         results = []
-        for config in itertools.product((16, 32, 64), (128, 256), (64, 128, 256), (3,), (4, 8)):
+        grid = (((16, 32, 64), (128,), (128, 256), (3,), (4,)) if args.quick_sweep else
+                ((16, 32, 64), (128, 256), (64, 128, 256), (3,), (4, 8)))
+        for config in itertools.product(*grid):
             fused_ops.MLP_SPLIT_K_CONFIG = config
             try:
                 graph, _ = build(1, True, layers)
@@ -96,6 +101,8 @@ def main() -> int:
         results.sort()
         fused_ops.MLP_SPLIT_K_CONFIG = results[0][1]
         say(f"best: {results[0][1]} {results[0][0]:.2f} us")
+        if args.best_out:
+            Path(args.best_out).write_text(json.dumps(list(results[0][1])))
     say("")
     say(f"Interleaved rounds ({args.rounds}), split-K tile {fused_ops.MLP_SPLIT_K_CONFIG}:")
     say("| rows | two launches us a layer | split-K us a layer | ratio | max abs difference of the output |")
