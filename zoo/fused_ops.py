@@ -304,20 +304,29 @@ if triton is not None:
         return tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, PAIR]), [0, 2, 1]))
 
     @triton.jit
+    def _gate_up_silu_tile(X, W, Bias, first, rows, half, k, stride_x, stride_w,
+                           HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+        # W = [gate; up], each ``half`` rows: silu(gate) * up for gate rows first + i and the up rows that go with
+        # them (i < PAIR), [BLOCK_M, PAIR] in X's dtype
+        gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
+                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
+        dtype = X.dtype.element_ty
+        gate = gate.to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
+        return (activated * up.to(tl.float32)).to(dtype)
+
+    @triton.jit
     def _gate_up_silu_kernel(X, W, Bias, Out, rows, half, k, stride_x, stride_w, stride_o,
                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              PAIR: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                              WEIGHTS_FIRST: tl.constexpr):
-        # W = [gate; up], each ``half`` rows: this program's PAIR gate rows and the PAIR up rows that go with them.
         first = tl.program_id(0) * PAIR
-        gate, up = _paired_product(X, W, Bias, first, half + first, half, rows, k, stride_x, stride_w,
-                                   HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
-        dtype = Out.dtype.element_ty
-        gate = gate.to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
+        act = _gate_up_silu_tile(X, W, Bias, first, rows, half, k, stride_x, stride_w,
+                                 HAS_BIAS, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         offs_m = tl.arange(0, BLOCK_M)
         cols = first + tl.arange(0, PAIR)
-        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], (activated * up.to(tl.float32)).to(dtype),
+        tl.store(Out + offs_m[:, None] * stride_o + cols[None, :], act.to(Out.dtype.element_ty),
                  mask=(offs_m < rows)[:, None] & (cols < half)[None, :])
 
     @triton.jit
@@ -329,12 +338,8 @@ if triton is not None:
         # (with SiLU), then its PAIR columns of the down projection times them, added into the float32 sums Acc.
         # Nothing waits for all of gate/up to finish before down starts, so one launch streams both.
         first = tl.program_id(0) * PAIR
-        gate, up = _paired_product(X, W, W, first, half + first, half, rows, k, stride_x, stride_w,
-                                   False, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
-        dtype = X.dtype.element_ty
-        gate = gate.to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as in _silu_mul_kernel
-        act = (activated * up.to(tl.float32)).to(dtype)  # [BLOCK_M, PAIR], what gate_up_silu stores
+        act = _gate_up_silu_tile(X, W, W, first, rows, half, k, stride_x, stride_w,  # what gate_up_silu stores
+                                 False, IEEE, DOT, BLOCK_M, PAIR, BLOCK_K, PDL, WEIGHTS_FIRST)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
         cols = first + tl.arange(0, PAIR)
