@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from conftest import hf_greedy, prompt_set  # noqa: E402
 from zoo import LLM, SamplingParams, fused_ops  # noqa: E402
 from zoo.description import ModelDescription  # noqa: E402
-from zoo.model import RMSNorm, Rotary, add_norm, write_cache  # noqa: E402
+from zoo.model import MLPSums, RMSNorm, Rotary, add_norm, write_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter computes in numpy float32, so float32 agrees to rounding; bf16 is checked on the GPU run,
@@ -145,6 +145,20 @@ def test_mlp_split_k_adds_the_mlp_into_the_sums_and_the_norm_takes_them(dtype, r
     expected_out, expected_sum = add_norm(norm, expected, residual)
     torch.testing.assert_close(summed, expected_sum, **tolerance(dtype))
     torch.testing.assert_close(out, expected_out, **tolerance(dtype))
+
+
+def test_a_norm_without_the_fused_kernel_takes_mlp_sums_as_the_model_dtype():
+    """A plugin's norm after a layer whose MLP left MLPSums: add_norm rounds the sums to the model dtype, adds the
+    residual, and zeroes the sums for the next layer's MLP, as the fused norm does."""
+    g = torch.Generator().manual_seed(3)
+    sums = torch.randn(2, 8, generator=g)
+    residual = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+    expected_sum = sums.to(torch.bfloat16) + residual
+    norm = torch.nn.LayerNorm(8, dtype=torch.bfloat16)
+    out, summed = add_norm(norm, MLPSums(sums, torch.bfloat16), residual)
+    assert summed.dtype == torch.bfloat16 and torch.equal(summed, expected_sum)
+    torch.testing.assert_close(out, norm(expected_sum))
+    assert not sums.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
