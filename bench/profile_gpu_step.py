@@ -105,15 +105,15 @@ for _name, _tile in (("down_8col", (8, 2048, 3, 4)), ("down_8warps", (4, 2048, 3
     VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 1 << 62): _tile})
 for _name, _tile in (("narrow_4col", (4, 2048, 3, 2)), ("narrow_4col_4warps", (4, 2048, 3, 4))):
     VARIANTS[_name] = dict(VARIANTS["current"], one_row={**DEEP_ROWS, (4096, 2048): _tile})
-# Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
-# the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
-# residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
-# (no_attention)
 # The MLP as one split-K launch (fused_ops.MLP_SPLIT_K), on its default tile and two other splits of the
 # intermediate columns (PAIR 16 and 64)
 VARIANTS["split_k"] = dict(VARIANTS["current"], split_k=True)
 for _pair in (16, 64):
     VARIANTS[f"split_k_p{_pair}"] = dict(VARIANTS["current"], split_k=True, split_k_pair=_pair)
+# Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
+# the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
+# residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
+# (no_attention)
 for _part in ("norms", "merge", "attention"):
     VARIANTS[f"no_{_part}"] = dict(VARIANTS["current"], ablate=_part)
 TRITON_ARGMAX = None

@@ -145,6 +145,11 @@ def test_mlp_split_k_adds_the_mlp_into_the_sums_and_the_norm_takes_them(dtype, r
     expected_out, expected_sum = add_norm(norm, expected, residual)
     torch.testing.assert_close(summed, expected_sum, **tolerance(dtype))
     torch.testing.assert_close(out, expected_out, **tolerance(dtype))
+    fused_ops.mlp_split_k(x, gate_up, down, sums[:rows])  # and without a residual to add
+    out, summed = fused_ops.add_rms_norm(sums[:rows], None, norm.weight, norm.eps, accumulated=True)
+    assert not sums.any()
+    torch.testing.assert_close(summed, expected, **tolerance(dtype))
+    torch.testing.assert_close(out, add_norm(norm, expected, None)[0], **tolerance(dtype))
 
 
 def test_a_norm_without_the_fused_kernel_takes_mlp_sums_as_the_model_dtype():

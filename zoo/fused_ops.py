@@ -627,9 +627,10 @@ def qkv_rope_and_write_cache(x, weight, bias, cos, sin, key_cache, value_cache, 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  accumulated: bool = False):
     """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``.
-    ``accumulated``: x is mlp_split_k's float32 sums, rounded to the residual's dtype first and zeroed after."""
+    ``accumulated``: x is mlp_split_k's float32 sums, rounded to the model dtype (the norm weight's) first and
+    zeroed after."""
     rows, cols = x.shape
-    dtype = residual.dtype if accumulated else x.dtype
+    dtype = weight.dtype if accumulated else x.dtype
     out = torch.empty(rows, cols, dtype=dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None or accumulated else x
     _add_rms_norm_kernel[(rows,)](
