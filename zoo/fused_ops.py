@@ -592,11 +592,11 @@ def mlp_split_k(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, acc:
     ``acc``; ``add_rms_norm(acc, ..., accumulated=True)`` reads it and zeroes it again."""
     rows, k = x.shape
     half, hidden = gate_up.shape[0] // 2, down.shape[0]
-    pair, block_k, stages, warps = MLP_SPLIT_K_CONFIG[0], MLP_SPLIT_K_CONFIG[1], *MLP_SPLIT_K_CONFIG[3:]
+    pair, block_k, out_tile, stages, warps = MLP_SPLIT_K_CONFIG
     tile = row_tile(rows, 2 * pair)
     _mlp_split_k_kernel[(triton.cdiv(half, pair),)](
         x, gate_up, down, acc, rows, half, k, hidden, x.stride(0), gate_up.stride(0), down.stride(0), acc.stride(0),
-        IEEE=gate_up.dtype == torch.float32, **tile, PAIR=pair, BLOCK_K=block_k, OUT_TILE=MLP_SPLIT_K_CONFIG[2],
+        IEEE=gate_up.dtype == torch.float32, **tile, PAIR=pair, BLOCK_K=block_k, OUT_TILE=out_tile,
         DOWN_DOT=tile["DOT"] and pair >= 16, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
         **pdl_options(x.device))
     return acc
