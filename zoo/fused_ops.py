@@ -356,6 +356,42 @@ if triton is not None:
             tl.atomic_add(Acc + offs_m[:, None] * stride_a + outs[None, :], partial,
                           mask=row_ok[:, None] & out_ok[None, :], sem="relaxed")
 
+    @triton.jit(do_not_specialize=("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh"))
+    def _attention_out_split_k_kernel(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, W, Acc,
+                                      rows, hidden, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_w,
+                                      stride_a, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                                      SPLIT_TOKENS: tl.constexpr, ROWS_PAD: tl.constexpr, OUT_TILE: tl.constexpr,
+                                      PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+        # The merge of one head's decode splits and that head's share of the o projection, added into the float32
+        # sums Acc: o's input split over heads, so nothing waits for every head's merge before o streams.
+        head = tl.program_id(0)
+        outs = tl.program_id(1) * OUT_TILE + tl.arange(0, OUT_TILE)
+        out_ok = outs < hidden
+        offs_d = tl.arange(0, HEAD_DIM)
+        w_ptrs = W + outs[:, None] * stride_w + head * HEAD_DIM + offs_d[None, :]
+        if WEIGHTS_FIRST:  # the weights are the model's: read them while the decode kernel finishes
+            w = tl.load(w_ptrs, mask=out_ok[:, None], other=0.0)
+            wait_for_previous_kernel(PDL)
+        else:
+            wait_for_previous_kernel(PDL)
+            w = tl.load(w_ptrs, mask=out_ok[:, None], other=0.0)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        for row in tl.static_range(ROWS_PAD):
+            if row < rows:
+                seq = tl.load(TokenSeq + row)
+                visible = tl.minimum(tl.load(QueryCacheIndex + row) + 1, tl.load(ContextLens + seq))
+                valid = offs_s * SPLIT_TOKENS < visible  # the splits the decode kernel wrote
+                # the merge as _merge_splits_kernel computes and rounds it
+                lse = tl.load(LsePartial + row * stride_lt + head * stride_lh + offs_s, mask=valid,
+                              other=float("-inf"))
+                weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always sees a token, so the max is finite
+                weights = weights / tl.sum(weights, 0)
+                partial = tl.load(OutPartial + row * stride_ot + head * stride_oh + offs_s[:, None] * stride_os
+                                  + offs_d[None, :], mask=valid[:, None], other=0.0)
+                merged = tl.sum(partial * weights[:, None], 0).to(W.dtype.element_ty).to(tl.float32)
+                product = tl.sum(w.to(tl.float32) * merged[None, :], 1)
+                tl.atomic_add(Acc + row * stride_a + outs, product, mask=out_ok, sem="relaxed")
+
     @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
                                stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
@@ -579,11 +615,13 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 # Whether a decode step's MLP (gated SiLU, no biases) runs as one launch, split over its intermediate columns
 # (``mlp_split_k``), where gate/up with SiLU and then down would stream their weights as two. The down product's
 # float32 partial sums meet by atomic adds, so their order, and the last bit of a sum now and then, changes from
-# run to run: off gives the same bits every run.
-MLP_SPLIT_K = False
+# run to run: off gives the same bits every run. On an H100, batch-1 decode steps took 1.063-1.065 against
+# 1.103-1.106 ms and batch 4 1.150-1.153 against 1.290-1.296 (bench/results/gpu/round19/).
+MLP_SPLIT_K = True
 # Tiles of mlp_split_k: (PAIR intermediate columns a program, BLOCK_K, OUT_TILE down rows an iteration, num_stages,
-# num_warps).
-MLP_SPLIT_K_CONFIG = (32, 128, 128, 3, 4)
+# num_warps). PAIR 64 gives Llama-3.2-1B's 8192 columns 128 programs, one wave of an H100's or H200's 132 SMs; the
+# best of 16 tiles at one row on an H100 (bench/mlp_split_k.py --quick-sweep).
+MLP_SPLIT_K_CONFIG = (64, 128, 256, 3, 4)
 
 
 def mlp_split_k(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -599,6 +637,32 @@ def mlp_split_k(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, acc:
         IEEE=gate_up.dtype == torch.float32, **tile, PAIR=pair, BLOCK_K=block_k, OUT_TILE=out_tile,
         DOWN_DOT=tile["DOT"] and pair >= 16, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
         **pdl_options(x.device))
+    return acc
+
+
+# Whether a decode step's attention merge and o projection (no bias) run as one launch that adds into the float32
+# sums the MLP's split-K also uses (``attention_out_split_k``), where the merge and o would be two launches with a
+# dependency between all programs. Built in round 19 and not yet timed on a GPU, so off.
+ATTENTION_OUT_SPLIT_K = False
+# (OUT_TILE o rows a program, num_warps): 2048 rows in tiles of 128 by 32 heads are 512 programs of 16 KB each.
+ATTENTION_OUT_SPLIT_K_CONFIG = (128, 4)
+
+
+def attention_out_split_k(splits, token_seq, query_cache_index, context_lens, weight: torch.Tensor,
+                          acc: torch.Tensor) -> torch.Tensor:
+    """Adds ``F.linear(merged, weight)`` into ``acc`` (float32 ``[rows, hidden]``, zeros before), where ``merged``
+    is ``paged_decode_attention``'s output from the decode kernel's ``splits`` (``triton_attention.DecodeSplits``),
+    flattened over heads and rounded to the weight's dtype. Returns ``acc``, for ``add_rms_norm(...,
+    accumulated=True)``."""
+    tokens, heads, _, head_dim = splits.out_partial.shape
+    hidden = weight.shape[0]
+    out_tile, warps = ATTENTION_OUT_SPLIT_K_CONFIG
+    _attention_out_split_k_kernel[(heads, triton.cdiv(hidden, out_tile))](
+        splits.out_partial, splits.lse_partial, token_seq, query_cache_index, context_lens, weight, acc,
+        tokens, hidden, *splits.strides(), weight.stride(0), acc.stride(0),
+        HEAD_DIM=head_dim, SPLITS_PAD=splits.splits_pad, SPLIT_TOKENS=splits.split_tokens,
+        ROWS_PAD=triton.next_power_of_2(tokens), OUT_TILE=out_tile, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
+        **pdl_options(acc.device))
     return acc
 
 
