@@ -264,6 +264,12 @@ def write_cache(k, v, kv_cache, slot_mapping) -> None:
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def decode_kernel_args(q, kv_cache, meta: AttentionMetadata, scale: float) -> tuple:
+    """The arguments of ``triton_attention.paged_decode_attention`` (and ``paged_decode_splits``) for a step."""
+    return (q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.token_seq,
+            meta.token_cache_index, meta.draft_start, meta.draft_visible, scale, meta.has_tree)
+
+
 def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attend over the cache, which already holds this step's keys/values.
 
@@ -273,9 +279,7 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
     if meta.use_decode_kernel:
         from zoo.triton_attention import paged_decode_attention
 
-        return paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
-                                      meta.token_seq, meta.token_cache_index, meta.draft_start, meta.draft_visible,
-                                      scale, meta.has_tree)
+        return paged_decode_attention(*decode_kernel_args(q, kv_cache, meta, scale))
     if meta.fresh_causal:
         return causal_over_own_keys(q, key_cache, value_cache, meta.slot_mapping, meta.token_seq,
                                     meta.token_query_index, meta.block_tables.shape[0], meta.max_query_len, scale)
@@ -514,12 +518,10 @@ class Attention(nn.Module):
                 and type(self.o_proj) is nn.Linear and self.o_proj.bias is None):
             from zoo.triton_attention import paged_decode_splits
 
-            splits = paged_decode_splits(q, self.kv_cache[0], self.kv_cache[1], meta.block_tables,
-                                         meta.context_lens, meta.token_seq, meta.token_cache_index, meta.draft_start,
-                                         meta.draft_visible, self.scale, meta.has_tree)
-            return SublayerSums(fused_ops.attention_out_split_k(
-                splits, meta.token_seq, meta.token_cache_index, meta.context_lens, self.o_proj.weight,
-                self.sums[:tokens]), hidden.dtype)
+            splits = paged_decode_splits(*decode_kernel_args(q, self.kv_cache, meta, self.scale))
+            sums = fused_ops.attention_out_split_k(splits, meta.token_seq, meta.token_cache_index, meta.context_lens,
+                                                   self.o_proj.weight, self.sums[:tokens])
+            return SublayerSums(sums, hidden.dtype)
         out = paged_attention(q, self.kv_cache, meta, self.scale)
         return project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
 
@@ -549,8 +551,8 @@ class MLP(nn.Module):
                 down = self.down_proj
                 if (self.sums is not None and x.shape[0] <= self.sums.shape[0] and type(down) is nn.Linear
                         and down.bias is None and joint.bias is None):
-                    return SublayerSums(fused_ops.mlp_split_k(x, joint.weight, down.weight, self.sums[:x.shape[0]]),
-                                   x.dtype)
+                    sums = fused_ops.mlp_split_k(x, joint.weight, down.weight, self.sums[:x.shape[0]])
+                    return SublayerSums(sums, x.dtype)
                 activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
             else:
                 activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
@@ -627,7 +629,8 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(hidden, residual, rope)
             if i in self.captured_layers:
-                context.layer_outputs[i] = (hidden.rounded() if isinstance(hidden, SublayerSums) else hidden) + residual
+                output = hidden.rounded() if isinstance(hidden, SublayerSums) else hidden
+                context.layer_outputs[i] = output + residual
         return add_norm(self.model.norm, hidden, residual)[0]
 
     def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
