@@ -130,7 +130,7 @@ def test_mlp_split_k_adds_the_mlp_into_the_sums_and_the_norm_takes_them(dtype, r
     sums; add_rms_norm with accumulated=True rounds them to the model dtype, adds the residual and zeroes them."""
     monkeypatch.setattr(fused_ops, "MLP_SPLIT_K_CONFIG", config)
     g = torch.Generator().manual_seed(20 + rows)
-    half, hidden = 1100, 96  # 1100: not a multiple of the column split; 96: of the down tile
+    half, hidden = 300, 96  # 300: not a multiple of the column split; 96: of the down tile
     x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
     gate_up = torch.randn(2 * half, hidden, generator=g).to(DEVICE, dtype) / 4
     down = torch.randn(hidden, half, generator=g).to(DEVICE, dtype) / 30
