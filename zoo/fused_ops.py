@@ -25,12 +25,12 @@ import functools
 
 import torch
 
-from zoo.triton_attention import pdl_options, triton
+from zoo.triton_attention import SPLIT_STRIDES, pdl_options, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from zoo.triton_attention import wait_for_previous_kernel
+    from zoo.triton_attention import merged_splits, wait_for_previous_kernel
 
 
 def available() -> bool:
@@ -356,7 +356,7 @@ if triton is not None:
             tl.atomic_add(Acc + offs_m[:, None] * stride_a + outs[None, :], partial,
                           mask=row_ok[:, None] & out_ok[None, :], sem="relaxed")
 
-    @triton.jit(do_not_specialize=("stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh"))
+    @triton.jit(do_not_specialize=SPLIT_STRIDES)
     def _attention_out_split_k_kernel(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, W, Acc,
                                       rows, hidden, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_w,
                                       stride_a, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -375,20 +375,11 @@ if triton is not None:
         else:
             wait_for_previous_kernel(PDL)
             w = tl.load(w_ptrs, mask=out_ok[:, None], other=0.0)
-        offs_s = tl.arange(0, SPLITS_PAD)
         for row in tl.static_range(ROWS_PAD):
-            if row < rows:
-                seq = tl.load(TokenSeq + row)
-                visible = tl.minimum(tl.load(QueryCacheIndex + row) + 1, tl.load(ContextLens + seq))
-                valid = offs_s * SPLIT_TOKENS < visible  # the splits the decode kernel wrote
-                # the merge as _merge_splits_kernel computes and rounds it
-                lse = tl.load(LsePartial + row * stride_lt + head * stride_lh + offs_s, mask=valid,
-                              other=float("-inf"))
-                weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always sees a token, so the max is finite
-                weights = weights / tl.sum(weights, 0)
-                partial = tl.load(OutPartial + row * stride_ot + head * stride_oh + offs_s[:, None] * stride_os
-                                  + offs_d[None, :], mask=valid[:, None], other=0.0)
-                merged = tl.sum(partial * weights[:, None], 0).to(W.dtype.element_ty).to(tl.float32)
+            if row < rows:  # the merge as _merge_splits_kernel computes and rounds it
+                merged = merged_splits(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, row, head,
+                                       stride_ot, stride_oh, stride_os, stride_lt, stride_lh, HEAD_DIM, SPLITS_PAD,
+                                       SPLIT_TOKENS).to(W.dtype.element_ty).to(tl.float32)
                 product = tl.sum(w.to(tl.float32) * merged[None, :], 1)
                 tl.atomic_add(Acc + row * stride_a + outs, product, mask=out_ok, sem="relaxed")
 

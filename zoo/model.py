@@ -685,12 +685,11 @@ class DecoderModel(nn.Module):
         # the model's life (freed, its memory could become another tensor's), and a later call reuses it.
         sums = None
         if on and (fused_ops.MLP_SPLIT_K or fused_ops.ATTENTION_OUT_SPLIT_K) and self.parallel is None:
-            kept = [b for b in self._sums_buffers if b.shape[0] >= fused_ops.PROJECTION_GEMV_MAX_ROWS]
-            if not kept:
-                kept = [torch.zeros(fused_ops.PROJECTION_GEMV_MAX_ROWS, desc.hidden_size, dtype=torch.float32,
-                                    device=self.lm_head.weight.device)]
-                self._sums_buffers.append(kept[0])
-            sums = kept[0]
+            rows = fused_ops.PROJECTION_GEMV_MAX_ROWS
+            sums = next((kept for kept in self._sums_buffers if kept.shape[0] >= rows), None)
+            if sums is None:
+                sums = torch.zeros(rows, desc.hidden_size, dtype=torch.float32, device=self.lm_head.weight.device)
+                self._sums_buffers.append(sums)
         for layer in self.model.layers:
             layer.mlp.sums = sums if fused_ops.MLP_SPLIT_K else None
             layer.self_attn.sums = sums if fused_ops.ATTENTION_OUT_SPLIT_K else None

@@ -225,14 +225,12 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=SPLIT_STRIDES)
-    def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
-                             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
-                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-                             PDL: tl.constexpr):
-        wait_for_previous_kernel(PDL)
-        token = tl.program_id(0)
-        head = tl.program_id(1)
+    @triton.jit
+    def merged_splits(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, token, head,
+                      stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                      HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+        """One (token, head)'s attention output, ``[HEAD_DIM]`` float32: the decode kernel's splits, each weighted
+        by its share of the total softmax mass."""
         offs_s = tl.arange(0, SPLITS_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         visible = tl.minimum(tl.load(QueryCacheIndex + token) + 1, tl.load(ContextLens + tl.load(TokenSeq + token)))
@@ -242,8 +240,19 @@ if triton is not None:
         weights = weights / tl.sum(weights, 0)
         partial = tl.load(OutPartial + token * stride_ot + head * stride_oh + offs_s[:, None] * stride_os
                           + offs_d[None, :], mask=valid[:, None], other=0.0)
-        out = tl.sum(partial * weights[:, None], 0)
-        tl.store(Out + token * stride_t + head * stride_h + offs_d, out.to(Out.dtype.element_ty))
+        return tl.sum(partial * weights[:, None], 0)
+
+    @triton.jit(do_not_specialize=SPLIT_STRIDES)
+    def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
+                             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
+                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+                             PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        out = merged_splits(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, token, head,
+                            stride_ot, stride_oh, stride_os, stride_lt, stride_lh, HEAD_DIM, SPLITS_PAD, SPLIT_TOKENS)
+        tl.store(Out + token * stride_t + head * stride_h + tl.arange(0, HEAD_DIM), out.to(Out.dtype.element_ty))
 
 
 def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
