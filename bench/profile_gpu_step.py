@@ -43,8 +43,7 @@ from gpu import SHAPE, write_checkpoint  # noqa: E402
 # (Round 6 also tried an L2 prefetch of the GEMVs' weights before their PDL wait, since dropped:
 # bench/results/gpu/round6/profile_pdl_ab.txt.)
 BASE = dict(lanes=True, gemv_rows=32, fresh=True, argmax=False, pdl=False, proj_rows=0, fold=False, advance=False,
-            one_row={}, weights_first=False, cached_first=False, step_inputs=False, split_k=False,
-            attention_split_k=False)
+            one_row={}, weights_first=False, cached_first=False, step_inputs=False, split_k=False)
 # fused_ops.GEMV_ONE_ROW_CONFIGS candidates from `bench/gemv_kernel.py --sweep` on the H200: the o and q/k/v
 # products' best narrow tile, and the down product's (both 2048 wide, so one table holds one of them)
 NARROW_O = {(4096, 1 << 62): (8, 1024, 3, 2)}
@@ -111,9 +110,6 @@ for _name, _tile in (("narrow_4col", (4, 2048, 3, 2)), ("narrow_4col_4warps", (4
 VARIANTS["no_split_k"] = dict(VARIANTS["current"], split_k=False)
 for _pair in (16, 32):
     VARIANTS[f"split_k_p{_pair}"] = dict(VARIANTS["current"], split_k_pair=_pair)
-# Round 19, built and not yet timed: the decode attention's merge and the o product as one launch adding into the
-# same sums (fused_ops.ATTENTION_OUT_SPLIT_K)
-VARIANTS["attention_split_k"] = dict(VARIANTS["current"], attention_split_k=True)
 # Ablations, for timing only (their tokens are wrong): the current kernels with one kind of short kernel left out of
 # the step, so that its replay bounds what folding that kind into its neighbours could save: every RMSNorm with its
 # residual add (no_norms), the merge of the decode kernel's splits (no_merge), or the decode attention and its merge
@@ -166,7 +162,6 @@ def apply(variant: dict) -> None:
     triton_attention.CACHED_FIRST = variant["cached_first"]
     fused_ops.STEP_INPUT_KERNELS = variant["step_inputs"]
     fused_ops.MLP_SPLIT_K = variant["split_k"]
-    fused_ops.ATTENTION_OUT_SPLIT_K = variant["attention_split_k"]
     fused_ops.MLP_SPLIT_K_CONFIG = (variant.get("split_k_pair", SPLIT_K_CONFIG[0]), *SPLIT_K_CONFIG[1:])
     ablate(variant.get("ablate"))
 

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from conftest import hf_greedy, prompt_set  # noqa: E402
 from zoo import LLM, SamplingParams, fused_ops  # noqa: E402
 from zoo.description import ModelDescription  # noqa: E402
-from zoo.model import SublayerSums, RMSNorm, Rotary, add_norm, write_cache  # noqa: E402
+from zoo.model import MLPSums, RMSNorm, Rotary, add_norm, write_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter computes in numpy float32, so float32 agrees to rounding; bf16 is checked on the GPU run,
@@ -153,50 +153,15 @@ def test_mlp_split_k_adds_the_mlp_into_the_sums_and_the_norm_takes_them(dtype, r
     torch.testing.assert_close(out, add_norm(norm, expected, None)[0], **tolerance(dtype))
 
 
-@pytest.mark.parametrize("rows,config", [(1, (128, 4)), (3, (32, 4))])  # 32: o's 96 rows over three programs
-def test_attention_out_split_k_is_the_merge_then_the_o_product(rows, config, monkeypatch):
-    """fused_ops.attention_out_split_k: the decode kernel's splits merged and each head's share of the o product
-    added into float32 sums, against paged_decode_attention's output through F.linear; the norm then takes them."""
-    from zoo import triton_attention
-
-    monkeypatch.setattr(fused_ops, "ATTENTION_OUT_SPLIT_K_CONFIG", config)
-    g = torch.Generator().manual_seed(40 + rows)
-    heads, kv_heads, head_dim, bs, hidden = 4, 2, 16, 16, 96
-    key_cache = torch.randn(12, bs, kv_heads, head_dim, generator=g).to(DEVICE)
-    value_cache = torch.randn(12, bs, kv_heads, head_dim, generator=g).to(DEVICE)
-    lengths = [150, 7, 70][:rows]  # 150: several splits of 64 positions; 7: one
-    tables = torch.randperm(12, generator=g)[:rows * 4].view(rows, 4).repeat(1, 3)[:, :10].to(DEVICE)
-    context_lens = torch.tensor(lengths, device=DEVICE)
-    token_seq = torch.arange(rows, device=DEVICE)
-    query_index = context_lens - 1
-    draft_start = context_lens.clone()
-    q = torch.randn(rows, heads, head_dim, generator=g).to(DEVICE)
-    o_weight = torch.randn(hidden, heads * head_dim, generator=g).to(DEVICE) / 8
-    args = (q, key_cache, value_cache, tables, context_lens, token_seq, query_index, draft_start, None,
-            head_dim ** -0.5, False)
-    expected = F.linear(triton_attention.paged_decode_attention(*args).reshape(rows, -1), o_weight)
-    sums = torch.zeros(4, hidden, dtype=torch.float32, device=DEVICE)
-    splits = triton_attention.paged_decode_splits(*args)
-    assert splits.out_partial.shape[2] > 1
-    fused_ops.attention_out_split_k(splits, token_seq, query_index, context_lens, o_weight, sums[:rows])
-    torch.testing.assert_close(sums[:rows], expected, **tolerance(torch.float32))
-    assert not sums[rows:].any()
-    residual = torch.randn(rows, hidden, generator=g).to(DEVICE)
-    norm = RMSNorm(hidden, 1e-6).to(DEVICE)
-    out, summed = fused_ops.add_rms_norm(sums[:rows], residual, norm.weight, norm.eps, accumulated=True)
-    assert not sums.any()
-    torch.testing.assert_close(out, add_norm(norm, expected, residual)[0], **tolerance(torch.float32))
-
-
 def test_a_norm_without_the_fused_kernel_takes_mlp_sums_as_the_model_dtype():
-    """A plugin's norm after a layer whose MLP left SublayerSums: add_norm rounds the sums to the model dtype, adds the
+    """A plugin's norm after a layer whose MLP left MLPSums: add_norm rounds the sums to the model dtype, adds the
     residual, and zeroes the sums for the next layer's MLP, as the fused norm does."""
     g = torch.Generator().manual_seed(3)
     sums = torch.randn(2, 8, generator=g)
     residual = torch.randn(2, 8, generator=g).to(torch.bfloat16)
     expected_sum = sums.to(torch.bfloat16) + residual
     norm = torch.nn.LayerNorm(8, dtype=torch.bfloat16)
-    out, summed = add_norm(norm, SublayerSums(sums, torch.bfloat16), residual)
+    out, summed = add_norm(norm, MLPSums(sums, torch.bfloat16), residual)
     assert summed.dtype == torch.bfloat16 and torch.equal(summed, expected_sum)
     torch.testing.assert_close(out, norm(expected_sum))
     assert not sums.any()
@@ -328,29 +293,21 @@ def test_no_programmatic_dependent_launch_off_hopper():
     assert fused_ops.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
-@pytest.mark.parametrize("name,projection_rows,fold,split_k,attention_split_k", [
-    ("llama", 0, True, True, False), ("qwen2", 0, True, True, False), ("llama", 64, False, True, False),
-    ("llama", 64, True, False, False), ("qwen2", 64, True, False, False), ("llama", 64, True, True, False),
-    ("llama", 4, True, True, True)])
-def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, split_k,
-                                                   attention_split_k, monkeypatch):
+@pytest.mark.parametrize("name,projection_rows,fold,split_k", [
+    ("llama", 0, True, True), ("qwen2", 0, True, True), ("llama", 64, False, True), ("llama", 64, True, False),
+    ("qwen2", 64, True, False), ("llama", 64, True, True)])
+def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, split_k, monkeypatch):
     """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
     with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
     the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues; with split_k as well, the whole MLP as one launch (fused_ops.MLP_SPLIT_K), and with
-    attention_split_k the decode steps' merge and o product as one (fused_ops.ATTENTION_OUT_SPLIT_K)."""
+    products' epilogues; with split_k as well, the whole MLP as one launch (fused_ops.MLP_SPLIT_K)."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
     monkeypatch.setattr(fused_ops, "MLP_SPLIT_K", split_k)
-    monkeypatch.setattr(fused_ops, "ATTENTION_OUT_SPLIT_K", attention_split_k)
-    if attention_split_k:  # decode steps through the Triton decode kernel, which the engine takes on CUDA alone
-        from zoo.model_runner import ModelRunner
-
-        monkeypatch.setattr(ModelRunner, "_decode_kernel_usable", lambda runner, backend: True)
     calls = []  # the folding kernels and the step's input kernels that ran
     for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu", "mlp_split_k", "embedding",
-                        "rotate_half_tables", "attention_out_split_k"):
+                        "rotate_half_tables"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
             calls.append(_name)
             return _kernel(*args)
@@ -366,7 +323,7 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     folds_ran = fold and projection_rows > 0
     mlp_kernel = "mlp_split_k" if split_k else "gate_up_silu"
     assert set(calls) == ({"qkv_rope_and_write_cache", mlp_kernel} if folds_ran else set()) | {
-        "embedding", "rotate_half_tables"} | ({"attention_out_split_k"} if attention_split_k else set())
+        "embedding", "rotate_half_tables"}
 
 
 @pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])

@@ -25,12 +25,12 @@ import functools
 
 import torch
 
-from zoo.triton_attention import SPLIT_STRIDES, pdl_options, triton
+from zoo.triton_attention import pdl_options, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from zoo.triton_attention import merged_splits, wait_for_previous_kernel
+    from zoo.triton_attention import wait_for_previous_kernel
 
 
 def available() -> bool:
@@ -356,33 +356,6 @@ if triton is not None:
             tl.atomic_add(Acc + offs_m[:, None] * stride_a + outs[None, :], partial,
                           mask=row_ok[:, None] & out_ok[None, :], sem="relaxed")
 
-    @triton.jit(do_not_specialize=SPLIT_STRIDES)
-    def _attention_out_split_k_kernel(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, W, Acc,
-                                      rows, hidden, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_w,
-                                      stride_a, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                                      SPLIT_TOKENS: tl.constexpr, ROWS_PAD: tl.constexpr, OUT_TILE: tl.constexpr,
-                                      PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
-        # The merge of one head's decode splits and that head's share of the o projection, added into the float32
-        # sums Acc: o's input split over heads, so nothing waits for every head's merge before o streams.
-        head = tl.program_id(0)
-        outs = tl.program_id(1) * OUT_TILE + tl.arange(0, OUT_TILE)
-        out_ok = outs < hidden
-        offs_d = tl.arange(0, HEAD_DIM)
-        w_ptrs = W + outs[:, None] * stride_w + head * HEAD_DIM + offs_d[None, :]
-        if WEIGHTS_FIRST:  # the weights are the model's: read them while the decode kernel finishes
-            w = tl.load(w_ptrs, mask=out_ok[:, None], other=0.0)
-            wait_for_previous_kernel(PDL)
-        else:
-            wait_for_previous_kernel(PDL)
-            w = tl.load(w_ptrs, mask=out_ok[:, None], other=0.0)
-        for row in tl.static_range(ROWS_PAD):
-            if row < rows:  # the merge as _merge_splits_kernel computes and rounds it
-                merged = merged_splits(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, row, head,
-                                       stride_ot, stride_oh, stride_os, stride_lt, stride_lh, HEAD_DIM, SPLITS_PAD,
-                                       SPLIT_TOKENS).to(W.dtype.element_ty).to(tl.float32)
-                product = tl.sum(w.to(tl.float32) * merged[None, :], 1)
-                tl.atomic_add(Acc + row * stride_a + outs, product, mask=out_ok, sem="relaxed")
-
     @triton.jit
     def _qkv_rope_cache_kernel(X, W, Bias, Q, Cos, Sin, KCache, VCache, SlotMapping, rows, k,
                                stride_x, stride_w, stride_q, stride_ct, stride_cs, stride_ch,
@@ -628,32 +601,6 @@ def mlp_split_k(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, acc:
         IEEE=gate_up.dtype == torch.float32, **tile, PAIR=pair, BLOCK_K=block_k, OUT_TILE=out_tile,
         DOWN_DOT=tile["DOT"] and pair >= 16, num_stages=stages, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
         **pdl_options(x.device))
-    return acc
-
-
-# Whether a decode step's attention merge and o projection (no bias) run as one launch that adds into the float32
-# sums the MLP's split-K also uses (``attention_out_split_k``), where the merge and o would be two launches with a
-# dependency between all programs. Built in round 19 and not yet timed on a GPU, so off.
-ATTENTION_OUT_SPLIT_K = False
-# (OUT_TILE o rows a program, num_warps): 2048 rows in tiles of 128 by 32 heads are 512 programs of 16 KB each.
-ATTENTION_OUT_SPLIT_K_CONFIG = (128, 4)
-
-
-def attention_out_split_k(splits, token_seq, query_cache_index, context_lens, weight: torch.Tensor,
-                          acc: torch.Tensor) -> torch.Tensor:
-    """Adds ``F.linear(merged, weight)`` into ``acc`` (float32 ``[rows, hidden]``, zeros before), where ``merged``
-    is ``paged_decode_attention``'s output from the decode kernel's ``splits`` (``triton_attention.DecodeSplits``),
-    flattened over heads and rounded to the weight's dtype. Returns ``acc``, for ``add_rms_norm(...,
-    accumulated=True)``."""
-    tokens, heads, _, head_dim = splits.out_partial.shape
-    hidden = weight.shape[0]
-    out_tile, warps = ATTENTION_OUT_SPLIT_K_CONFIG
-    _attention_out_split_k_kernel[(heads, triton.cdiv(hidden, out_tile))](
-        splits.out_partial, splits.lse_partial, token_seq, query_cache_index, context_lens, weight, acc,
-        tokens, hidden, *splits.strides(), weight.stride(0), acc.stride(0),
-        HEAD_DIM=head_dim, SPLITS_PAD=splits.splits_pad, SPLIT_TOKENS=splits.split_tokens,
-        ROWS_PAD=triton.next_power_of_2(tokens), OUT_TILE=out_tile, num_warps=warps, WEIGHTS_FIRST=WEIGHTS_FIRST,
-        **pdl_options(acc.device))
     return acc
 
 

@@ -153,11 +153,10 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class SublayerSums:
-    """A decoder layer's MLP or attention output still in the float32 sums that ``fused_ops.mlp_split_k`` or
-    ``fused_ops.attention_out_split_k`` adds into. The next norm takes it: rounded to the model dtype (where the
-    down or o product would have rounded), the residual added, and the sums zeroed for the next sublayer
-    (``add_norm``)."""
+class MLPSums:
+    """A decoder layer's MLP output still in the float32 sums that ``fused_ops.mlp_split_k`` adds into. The next
+    norm takes it: rounded to the model dtype (where the down product would have rounded), the residual added, and
+    the sums zeroed for the next layer's MLP (``add_norm``)."""
 
     def __init__(self, sums: torch.Tensor, dtype: torch.dtype):
         self.sums, self.dtype = sums, dtype
@@ -171,9 +170,9 @@ class SublayerSums:
         return out
 
 
-def add_norm(norm: nn.Module, x: torch.Tensor | SublayerSums, residual: torch.Tensor | None):
+def add_norm(norm: nn.Module, x: torch.Tensor | MLPSums, residual: torch.Tensor | None):
     """``(norm(x + residual), x + residual)``, a residual of None adding nothing; one kernel for RMSNorm on GPU."""
-    accumulated = isinstance(x, SublayerSums)
+    accumulated = isinstance(x, MLPSums)
     if isinstance(norm, RMSNorm) and norm.fused:
         return fused_ops.add_rms_norm(x.sums if accumulated else x, residual, norm.weight, norm.eps,
                                       accumulated=accumulated)
@@ -264,12 +263,6 @@ def write_cache(k, v, kv_cache, slot_mapping) -> None:
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def decode_kernel_args(q, kv_cache, meta: AttentionMetadata, scale: float) -> tuple:
-    """The arguments of ``triton_attention.paged_decode_attention`` (and ``paged_decode_splits``) for a step."""
-    return (q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.token_seq,
-            meta.token_cache_index, meta.draft_start, meta.draft_visible, scale, meta.has_tree)
-
-
 def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attend over the cache, which already holds this step's keys/values.
 
@@ -279,7 +272,9 @@ def paged_attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch
     if meta.use_decode_kernel:
         from zoo.triton_attention import paged_decode_attention
 
-        return paged_decode_attention(*decode_kernel_args(q, kv_cache, meta, scale))
+        return paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
+                                      meta.token_seq, meta.token_cache_index, meta.draft_start, meta.draft_visible,
+                                      scale, meta.has_tree)
     if meta.fresh_causal:
         return causal_over_own_keys(q, key_cache, value_cache, meta.slot_mapping, meta.token_seq,
                                     meta.token_query_index, meta.block_tables.shape[0], meta.max_query_len, scale)
@@ -474,8 +469,6 @@ class Attention(nn.Module):
         self.qkv_proj: FusedLinear | None = None  # set by fuse_projections
         self.fused = False  # set by DecoderModel.use_fused_ops: rotary and the cache write as one kernel
         self.fused_projections = False  # set by DecoderModel.use_fused_ops
-        # float32 sums for fused_ops.attention_out_split_k (the MLP's, see MLP.sums), or None; set by use_fused_ops
-        self.sums: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -514,14 +507,6 @@ class Attention(nn.Module):
                 if rotary is not None:
                     q, k = rotary(q, k, tables)
                 write_cache(k, v, self.kv_cache, meta.slot_mapping)
-        if (self.sums is not None and meta.use_decode_kernel and tokens <= self.sums.shape[0]
-                and type(self.o_proj) is nn.Linear and self.o_proj.bias is None):
-            from zoo.triton_attention import paged_decode_splits
-
-            splits = paged_decode_splits(*decode_kernel_args(q, self.kv_cache, meta, self.scale))
-            sums = fused_ops.attention_out_split_k(splits, meta.token_seq, meta.token_cache_index, meta.context_lens,
-                                                   self.o_proj.weight, self.sums[:tokens])
-            return SublayerSums(sums, hidden.dtype)
         out = paged_attention(q, self.kv_cache, meta, self.scale)
         return project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.fused_projections)
 
@@ -537,22 +522,22 @@ class MLP(nn.Module):
         self.gate_up_proj: FusedLinear | None = None  # set by fuse_projections
         self.fused = False  # set by DecoderModel.use_fused_ops
         # float32 [rows, hidden] zeros that fused_ops.mlp_split_k adds into, shared by the decoder's layers; set by
-        # DecoderModel.use_fused_ops where the layer's output goes to a norm that takes SublayerSums
+        # DecoderModel.use_fused_ops where the layer's output goes to a norm that takes MLPSums
         self.sums: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
         if self.gate_proj is not None:
             self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x) -> torch.Tensor | SublayerSums:
+    def forward(self, x) -> torch.Tensor | MLPSums:
         if self.gate_up_proj is not None and self.fused and self.act is F.silu:
             joint = self.gate_up_proj.joint
             if not self.gate_up_proj.wrapped and fused_ops.folds_into_projection(x, joint.weight):
                 down = self.down_proj
                 if (self.sums is not None and x.shape[0] <= self.sums.shape[0] and type(down) is nn.Linear
                         and down.bias is None and joint.bias is None):
-                    sums = fused_ops.mlp_split_k(x, joint.weight, down.weight, self.sums[:x.shape[0]])
-                    return SublayerSums(sums, x.dtype)
+                    return MLPSums(fused_ops.mlp_split_k(x, joint.weight, down.weight, self.sums[:x.shape[0]]),
+                                   x.dtype)
                 activated = fused_ops.gate_up_silu(x, joint.weight, joint.bias)
             else:
                 activated = fused_ops.silu_and_mul(self.gate_up_proj.concatenated(x))
@@ -629,8 +614,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(hidden, residual, rope)
             if i in self.captured_layers:
-                output = hidden.rounded() if isinstance(hidden, SublayerSums) else hidden
-                context.layer_outputs[i] = output + residual
+                context.layer_outputs[i] = (hidden.rounded() if isinstance(hidden, MLPSums) else hidden) + residual
         return add_norm(self.model.norm, hidden, residual)[0]
 
     def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -679,20 +663,19 @@ class DecoderModel(nn.Module):
             elif isinstance(module, Attention):
                 module.fused = on and head_ok
                 module.fused_projections = on
-        # The decoder's own layers: each sublayer's output goes to the next norm. Under tensor parallelism it is
-        # all-reduced first, as the model dtype, so no sums there.
+        # The decoder's own layers: each one's output goes to the next layer's norm or the final one. Under tensor
+        # parallelism the MLP's output is all-reduced first, as the model dtype.
         # CUDA graphs captured earlier add into the buffer they were captured with: a buffer once made is kept for
         # the model's life (freed, its memory could become another tensor's), and a later call reuses it.
         sums = None
-        if on and (fused_ops.MLP_SPLIT_K or fused_ops.ATTENTION_OUT_SPLIT_K) and self.parallel is None:
+        if on and fused_ops.MLP_SPLIT_K and self.parallel is None:
             rows = fused_ops.PROJECTION_GEMV_MAX_ROWS
             sums = next((kept for kept in self._sums_buffers if kept.shape[0] >= rows), None)
             if sums is None:
                 sums = torch.zeros(rows, desc.hidden_size, dtype=torch.float32, device=self.lm_head.weight.device)
                 self._sums_buffers.append(sums)
         for layer in self.model.layers:
-            layer.mlp.sums = sums if fused_ops.MLP_SPLIT_K else None
-            layer.self_attn.sums = sums if fused_ops.ATTENTION_OUT_SPLIT_K else None
+            layer.mlp.sums = sums
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:  # this rank's vocabulary columns, then all of them on every rank

@@ -23,7 +23,6 @@ captured inside the decode CUDA graphs.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -225,12 +224,14 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit
-    def merged_splits(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, token, head,
-                      stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                      HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
-        """One (token, head)'s attention output, ``[HEAD_DIM]`` float32: the decode kernel's splits, each weighted
-        by its share of the total softmax mass."""
+    @triton.jit(do_not_specialize=SPLIT_STRIDES)
+    def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
+                             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
+                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+                             PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        token = tl.program_id(0)
+        head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         visible = tl.minimum(tl.load(QueryCacheIndex + token) + 1, tl.load(ContextLens + tl.load(TokenSeq + token)))
@@ -240,19 +241,8 @@ if triton is not None:
         weights = weights / tl.sum(weights, 0)
         partial = tl.load(OutPartial + token * stride_ot + head * stride_oh + offs_s[:, None] * stride_os
                           + offs_d[None, :], mask=valid[:, None], other=0.0)
-        return tl.sum(partial * weights[:, None], 0)
-
-    @triton.jit(do_not_specialize=SPLIT_STRIDES)
-    def _merge_splits_kernel(OutPartial, LsePartial, Out, TokenSeq, QueryCacheIndex, ContextLens,
-                             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_t, stride_h,
-                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-                             PDL: tl.constexpr):
-        wait_for_previous_kernel(PDL)
-        token = tl.program_id(0)
-        head = tl.program_id(1)
-        out = merged_splits(OutPartial, LsePartial, TokenSeq, QueryCacheIndex, ContextLens, token, head,
-                            stride_ot, stride_oh, stride_os, stride_lt, stride_lh, HEAD_DIM, SPLITS_PAD, SPLIT_TOKENS)
-        tl.store(Out + token * stride_t + head * stride_h + tl.arange(0, HEAD_DIM), out.to(Out.dtype.element_ty))
+        out = tl.sum(partial * weights[:, None], 0)
+        tl.store(Out + token * stride_t + head * stride_h + offs_d, out.to(Out.dtype.element_ty))
 
 
 def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
@@ -264,41 +254,6 @@ def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens
 
     Returns [T, H, D] in q's dtype.
     """
-    splits = paged_decode_splits(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
-                                 draft_start, draft_visible, scale, has_tree, caches_before_step)
-    # Merge the splits: weight each by its share of the total softmax mass.
-    out = torch.empty_like(q)
-    _merge_splits_kernel[(q.shape[0], q.shape[1])](
-        splits.out_partial, splits.lse_partial, out, token_seq, query_cache_index, context_lens,
-        *splits.strides(), out.stride(0), out.stride(1),
-        HEAD_DIM=q.shape[2], SPLITS_PAD=splits.splits_pad, SPLIT_TOKENS=splits.split_tokens, **pdl_options(q.device))
-    return out
-
-
-@dataclasses.dataclass
-class DecodeSplits:
-    """The decode kernel's per-split results, before the merge: ``out_partial`` [T, H, splits, D] and
-    ``lse_partial`` [T, H, splits], float32; split s covers positions [s * split_tokens, (s + 1) * split_tokens)."""
-
-    out_partial: torch.Tensor
-    lse_partial: torch.Tensor
-    split_tokens: int
-
-    @property
-    def splits_pad(self) -> int:
-        # At least 16 split slots: steps whose block tables differ in width (mixed steps) then share one compiled
-        # variant of a merging kernel instead of one per power of two.
-        return max(16, triton.next_power_of_2(self.out_partial.shape[2]))
-
-    def strides(self) -> tuple[int, ...]:
-        return (self.out_partial.stride(0), self.out_partial.stride(1), self.out_partial.stride(2),
-                self.lse_partial.stride(0), self.lse_partial.stride(1))
-
-
-def paged_decode_splits(q, key_cache, value_cache, block_tables, context_lens, token_seq, query_cache_index,
-                        draft_start, draft_visible, scale: float, has_tree: bool,
-                        caches_before_step: tuple | None = None) -> DecodeSplits:
-    """``paged_decode_attention`` up to its merge: the decode kernel's launch alone."""
     early_key, early_value = caches_before_step or (key_cache, value_cache)
     if draft_visible is None:  # no drafts this step: the kernel never reads it
         draft_visible = token_seq[:, None]
@@ -327,4 +282,13 @@ def paged_decode_splits(q, key_cache, value_cache, block_tables, context_lens, t
         **pdl_options(q.device),
         **({"num_warps": NUM_WARPS} if NUM_WARPS else {}), **({"num_stages": NUM_STAGES} if NUM_STAGES else {}),
     )
-    return DecodeSplits(out_partial, lse_partial, blocks_per_split * block_size)
+    # Merge the splits: weight each by its share of the total softmax mass. At least 16 split slots: steps whose
+    # block tables differ in width (mixed steps) then share one compiled variant instead of one per power of two.
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(tokens, heads)](
+        out_partial, lse_partial, out, token_seq, query_cache_index, context_lens,
+        out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
+        lse_partial.stride(0), lse_partial.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
+        SPLIT_TOKENS=blocks_per_split * block_size, **pdl_options(q.device))
+    return out
