@@ -25,7 +25,7 @@ from zoo.request import Request
 from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
 from zoo.step import BufferSpec, StepBatch, StepOutput
-from zoo.step_inputs import StepLayout, int64_tensor
+from zoo.step_inputs import StepLayout, device_lays_out, int64_tensor, is_decode_token
 
 
 def advance_rows(buffers: dict[str, torch.Tensor], n: int, block_size: int) -> None:
@@ -125,16 +125,22 @@ class ModelRunner:
         layout = StepLayout(self.description.position_rows, self.block_size)
         graph = self.graphs.key_for(scheduled)
         stride = self.graphs.families[graph[0]].stride if graph else 1
-        for b, entry in enumerate(scheduled):
-            request = entry.request
-            if (stride == 1 and entry.num_tokens == 1 and entry.draft is None and not self.position_hooks
-                    and entry.start >= request.bidirectional_prefix
-                    and (entry.start >= len(request.prompt_token_ids) or not request.params.wants_prompt_logits)):
-                layout.add_decode_token(b, entry)
-            else:
-                layout.add_entry(b, entry, self._positions)
-                if stride > 1:
-                    layout.pad_entry(stride, self.kv.scratch_block * self.block_size)
+        # Steps with prompts or chunks are laid out on the device; decodes alone stay on the lists, where one token
+        # a sequence costs the host less than the device layout's dozen small launches (0.22 against 0.32 ms for
+        # 64 on the CPU, against 0.55 and 0.27 for a 2,040-token prompt).
+        if (stride == 1 and not self.position_hooks and sum(e.num_tokens for e in scheduled) > len(scheduled)
+                and all(map(device_lays_out, scheduled))):
+            layout.runs = []
+            for b, entry in enumerate(scheduled):
+                layout.add_run(b, entry)
+        else:
+            for b, entry in enumerate(scheduled):
+                if stride == 1 and not self.position_hooks and is_decode_token(entry):
+                    layout.add_decode_token(b, entry)
+                else:
+                    layout.add_entry(b, entry, self._positions)
+                    if stride > 1:
+                        layout.pad_entry(stride, self.kv.scratch_block * self.block_size)
         if stride > 1:
             layout.every_row_gives_logits()
         max_query, num_blocks = layout.write(self.buffers, [e.request.block_ids for e in scheduled])
@@ -234,7 +240,7 @@ class ModelRunner:
                       decode_seq=None if decode_rows is None else buf["token_seq"][decode_rows],
                       decode_cache_index=None if decode_rows is None else buf["token_cache_index"][decode_rows])
         if decode_rows is not None and not self.decode_kernel:
-            num_blocks = -(-max(layout.context_lens[layout.token_seq[r]] for r in layout.decode_rows)
+            num_blocks = -(-max(layout.context_lens[b] for b in layout.decode_seqs)
                            // self.block_size)
             key_index = torch.arange(num_blocks * self.block_size, device=device)
             decode.update(decode_tables=buf["block_tables"][decode["decode_seq"], :num_blocks],

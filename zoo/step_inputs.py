@@ -41,6 +41,20 @@ def slots_of_range(block_ids: list[int], block_size: int, start: int, end: int) 
     return slots
 
 
+def is_decode_token(entry: ScheduledRequest) -> bool:
+    """One committed token past any bidirectional prefix, without drafts or prompt logits: the common decode entry,
+    attended by the decode path (``StepLayout.decode_rows``)."""
+    request = entry.request
+    return (entry.num_tokens == 1 and entry.draft is None and entry.start >= request.bidirectional_prefix
+            and (entry.start >= len(request.prompt_token_ids) or not request.params.wants_prompt_logits))
+
+
+def device_lays_out(entry: ScheduledRequest) -> bool:
+    """Whether an entry's per-token inputs follow from (its first row, its first cache index, its length) alone:
+    no drafts, and no bidirectional prefix among its tokens (a step without position hooks; see StepLayout.runs)."""
+    return entry.draft is None and (entry.request.bidirectional_prefix <= 1 or is_decode_token(entry))
+
+
 def _fill(buffer: torch.Tensor, values: list) -> None:
     if values:
         buffer[:len(values)].copy_(int64_tensor(values), non_blocking=True)
@@ -74,14 +88,20 @@ class StepLayout:
         # tokens ((sequence, first row, length) in chunk_spans); see zoo.model.MixedStep.
         self.splittable = True
         self.decode_rows: list[int] = []
+        self.decode_seqs: list[int] = []  # each decode row's sequence
         self.prompt_spans: list[tuple[int, int]] = []
         self.chunk_spans: list[tuple[int, int, int]] = []
+        # Per sequence (first row, first cache index, tokens), where every entry of the step is laid out by
+        # add_run: the device derives the per-token inputs from these (write). A long prompt's layout was about
+        # a millisecond of Python lists before its step could start (bench/results/gpu/round21).
+        self.runs: list[tuple[int, int, int]] | None = None
 
     def add_decode_token(self, b: int, entry: ScheduledRequest) -> None:
         """The common case at large batch (one committed token, no drafts, default positions), unrolled."""
         request, i = entry.request, entry.start
         self.fresh_causal = self.fresh_causal and i == 0
         self.decode_rows.append(len(self.input_ids))
+        self.decode_seqs.append(b)
         self.offsets.append(len(self.input_ids))
         self.logits_rows.append([len(self.logits_indices)] if entry.samples else [])
         self.prompt_logits_rows.append([])
@@ -109,6 +129,7 @@ class StepLayout:
             self.prompt_spans.append((first_row, entry.num_tokens))
         elif entry.num_tokens == 1:
             self.decode_rows.append(first_row)
+            self.decode_seqs.append(b)
         else:
             self.chunk_spans.append((b, first_row, entry.num_tokens))
         self.offsets.append(first_row)
@@ -128,21 +149,7 @@ class StepLayout:
                     self.draft_visible += [(first_draft_row + i, a) for a in draft.visible(i)]
         for row, values in zip(self.positions, positions_of(request, position_index)):
             row.extend(values)
-        prompt_rows = []
-        if request.params.wants_prompt_logits and entry.start < len(request.prompt_token_ids):
-            # every prompt position of the chunk but the sampling row's gets a logits row of its own
-            last = min(first_draft, len(request.prompt_token_ids)) - (1 if entry.samples else 0)
-            prompt_rows = list(range(len(self.logits_indices), len(self.logits_indices) + last - entry.start))
-            self.logits_indices += range(first_row, first_row + last - entry.start)
-        if entry.samples:  # the last committed token and every draft token give logits
-            rows = range(first_row + entry.num_tokens - 1, first_row + len(tokens))
-            self.logits_rows.append(list(range(len(self.logits_indices), len(self.logits_indices) + len(rows))))
-            self.logits_indices += rows
-            if request.params.wants_prompt_logits and first_draft == len(request.prompt_token_ids):
-                prompt_rows.append(self.logits_rows[-1][0])
-        else:
-            self.logits_rows.append([])
-        self.prompt_logits_rows.append(prompt_rows)
+        self._add_logits_rows(entry, first_row, len(tokens))
         bs = self.block_size
         self.input_ids += tokens
         self.slots += slots_of_range(request.block_ids, bs, entry.start, entry.start + len(tokens))
@@ -154,6 +161,46 @@ class StepLayout:
         self.index_rows.append(position_index)
         self.context_lens.append(cache_index[-1] + 1)
         self.draft_starts.append(first_draft if draft is not None else cache_index[-1] + 1)
+
+    def _add_logits_rows(self, entry: ScheduledRequest, first_row: int, num_rows: int) -> None:
+        """The entry's rows that give logits: its prompt positions where it asks for prompt logits, and where it
+        samples, its last committed token and every draft token."""
+        request, first_draft = entry.request, entry.start + entry.num_tokens
+        prompt_rows = []
+        if request.params.wants_prompt_logits and entry.start < len(request.prompt_token_ids):
+            # every prompt position of the chunk but the sampling row's gets a logits row of its own
+            last = min(first_draft, len(request.prompt_token_ids)) - (1 if entry.samples else 0)
+            prompt_rows = list(range(len(self.logits_indices), len(self.logits_indices) + last - entry.start))
+            self.logits_indices += range(first_row, first_row + last - entry.start)
+        if entry.samples:
+            rows = range(first_row + entry.num_tokens - 1, first_row + num_rows)
+            self.logits_rows.append(list(range(len(self.logits_indices), len(self.logits_indices) + len(rows))))
+            self.logits_indices += rows
+            if request.params.wants_prompt_logits and first_draft == len(request.prompt_token_ids):
+                prompt_rows.append(self.logits_rows[-1][0])
+        else:
+            self.logits_rows.append([])
+        self.prompt_logits_rows.append(prompt_rows)
+
+    def add_run(self, b: int, entry: ScheduledRequest) -> None:
+        """An entry of a step the device lays out (every entry ``device_lays_out``): its tokens, logits rows and
+        kind, and a run of ``self.runs``; the per-token lists stay empty."""
+        request, start, n = entry.request, entry.start, entry.num_tokens
+        first_row = len(self.input_ids)
+        self.fresh_causal = self.fresh_causal and start == 0
+        if n == 1 and (start > 0 or is_decode_token(entry)):  # a one-token prompt decodes too (add_decode_token)
+            self.decode_rows.append(first_row)
+            self.decode_seqs.append(b)
+        elif start == 0:
+            self.prompt_spans.append((first_row, n))
+        else:
+            self.chunk_spans.append((b, first_row, n))
+        self.offsets.append(first_row)
+        self._add_logits_rows(entry, first_row, n)
+        self.input_ids += [0] if entry.token_on_device else request.token_slice(start, start + n)
+        self.runs.append((first_row, start, n))
+        self.context_lens.append(start + n)
+        self.draft_starts.append(start + n)
 
     def pad_entry(self, stride: int, scratch_slot: int) -> None:
         """Dummy tokens after the last entry up to ``stride`` rows (a verify graph's fixed layout).
@@ -180,10 +227,18 @@ class StepLayout:
 
     def write(self, buffers: dict[str, torch.Tensor], block_ids: list[list[int]]) -> tuple[int, int]:
         """Copy the lists into the static buffers; returns (longest query, widest block table)."""
-        for name, values in (("input_ids", self.input_ids), ("slot_mapping", self.slots),
-                             ("token_seq", self.token_seq), ("token_query_index", self.query_index),
-                             ("logits_indices", self.logits_indices), ("context_lens", self.context_lens),
-                             ("draft_start", self.draft_starts),
+        # non_blocking: a pageable source is staged at the call, and a blocking copy would wait for the GPU to
+        # drain, so that an overlapped step's layout would wait for the step before it
+        for name, values in (("input_ids", self.input_ids), ("logits_indices", self.logits_indices),
+                             ("context_lens", self.context_lens), ("draft_start", self.draft_starts)):
+            _fill(buffers[name], values)
+        num_blocks = max(len(b) for b in block_ids)
+        num_seqs = len(block_ids)
+        buffers["block_tables"][:num_seqs, :num_blocks].copy_(padded_rows(block_ids, num_blocks), non_blocking=True)
+        if self.runs is not None:
+            return self._write_runs(buffers, num_seqs), num_blocks
+        for name, values in (("slot_mapping", self.slots), ("token_seq", self.token_seq),
+                             ("token_query_index", self.query_index),
                              ("token_cache_index", [i for row in self.visible_rows for i in row])):
             _fill(buffers[name], values)
         for r, row in enumerate(self.positions):
@@ -200,13 +255,33 @@ class StepLayout:
             visible[torch.cat(rows).to(visible.device, non_blocking=True),
                     torch.cat(columns).to(visible.device, non_blocking=True)] = 1
         max_query = max(len(r) for r in self.visible_rows)
-        num_blocks = max(len(b) for b in block_ids)
-        num_seqs = len(block_ids)
-        # non_blocking: a pageable source is staged at the call, and a blocking copy would wait for the GPU to
-        # drain, so that an overlapped step's layout would wait for the step before it
-        tables = (("block_tables", block_ids, num_blocks), ("query_cache_index", self.visible_rows, max_query))
+        tables = (("query_cache_index", self.visible_rows),)
         if "query_index_in_sequence" in buffers:  # a sliding window counts by index in the sequence
-            tables += (("query_index_in_sequence", self.index_rows, max_query),)
-        for name, rows, width in tables:
-            buffers[name][:num_seqs, :width].copy_(padded_rows(rows, width), non_blocking=True)
+            tables += (("query_index_in_sequence", self.index_rows),)
+        for name, rows in tables:
+            buffers[name][:num_seqs, :max_query].copy_(padded_rows(rows, max_query), non_blocking=True)
         return max_query, num_blocks
+
+    def _write_runs(self, buffers: dict[str, torch.Tensor], num_seqs: int) -> int:
+        """The per-token inputs of a step of runs, derived on the device: each token's sequence, index in it and
+        cache index (its position too, and what it sees: its own sequence up to itself), and its slot from the
+        block table written before. The same values as the lists of add_entry; returns the longest query."""
+        device, tokens = buffers["input_ids"].device, len(self.input_ids)
+        runs = int64_tensor([v for run in self.runs for v in run]).to(device, non_blocking=True).view(-1, 3)
+        first_row, start, length = runs.unbind(1)
+        seq = torch.arange(num_seqs, device=device).repeat_interleave(length, output_size=tokens)
+        query_index = torch.arange(tokens, device=device) - first_row[seq]
+        cache_index = start[seq] + query_index
+        buffers["token_seq"][:tokens] = seq
+        buffers["token_query_index"][:tokens] = query_index
+        buffers["token_cache_index"][:tokens] = cache_index
+        buffers["positions"][0, :tokens] = cache_index
+        bs = self.block_size
+        buffers["slot_mapping"][:tokens] = buffers["block_tables"][seq, cache_index // bs] * bs + cache_index % bs
+        max_query = max(n for _, _, n in self.runs)
+        index = torch.arange(max_query, device=device)
+        by_query = torch.where(index < length[:, None], start[:, None] + index, 0)  # zero-padded, as padded_rows
+        buffers["query_cache_index"][:num_seqs, :max_query] = by_query
+        if "query_index_in_sequence" in buffers:
+            buffers["query_index_in_sequence"][:num_seqs, :max_query] = by_query
+        return max_query
