@@ -235,3 +235,14 @@ def test_grid_barrier_benchmark_agrees_with_its_reference(tmp_path):
     refused = subprocess.run([sys.executable, str(script), "--programs", "2"], capture_output=True, text=True,
                              timeout=180, env=env)
     assert refused.returncode == 2 and "never opens" in refused.stderr
+
+
+def test_step_layout_benchmark_times_both_layouts(tmp_path):
+    """bench/step_layout.py: each prompt workload's steps timed with the lists and the device layout, then the
+    host's share of a one-prompt generate both ways."""
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "step_layout.py"), "--device", "cpu", "--repeats", "1",
+                           "--generates", "3"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert any(row.startswith("| 1, 2040 |") for row in rows) and any(row.startswith("| 8, 8192 |") for row in rows)
+    assert "lists" in proc.stdout.splitlines()[-1] and "device layout" in proc.stdout.splitlines()[-1]
