@@ -237,7 +237,7 @@ def test_grid_barrier_benchmark_agrees_with_its_reference(tmp_path):
     assert refused.returncode == 2 and "never opens" in refused.stderr
 
 
-def test_step_layout_benchmark_times_both_layouts(tmp_path):
+def test_step_layout_benchmark_times_both_layouts():
     """bench/step_layout.py: each prompt workload's steps timed with the lists and the device layout, then the
     host's share of a one-prompt generate both ways."""
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "step_layout.py"), "--device", "cpu", "--repeats", "1",

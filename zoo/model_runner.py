@@ -127,14 +127,15 @@ class ModelRunner:
         stride = self.graphs.families[graph[0]].stride if graph else 1
         # Steps with prompts or chunks are laid out on the device (bench/step_layout.py); decodes alone stay on the
         # lists, where one token a sequence costs the host less than the device layout's dozen small operations.
-        if (stride == 1 and not self.position_hooks and sum(e.num_tokens for e in scheduled) > len(scheduled)
+        default_layout = stride == 1 and not self.position_hooks  # no graph padding, positions by cache index
+        if (default_layout and sum(e.num_tokens for e in scheduled) > len(scheduled)
                 and all(map(device_lays_out, scheduled))):
             layout.runs = []
             for b, entry in enumerate(scheduled):
                 layout.add_run(b, entry)
         else:
             for b, entry in enumerate(scheduled):
-                if stride == 1 and not self.position_hooks and is_decode_token(entry):
+                if default_layout and is_decode_token(entry):
                     layout.add_decode_token(b, entry)
                 else:
                     layout.add_entry(b, entry, self._positions)
