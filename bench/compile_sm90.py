@@ -94,6 +94,8 @@ CASES = [
      dict(BLOCK=32, **PDL), {}),
     ("advance_decode_rows", fused_ops._advance_decode_kernel, {"*": "*i64"},
      dict(POSITION_ROWS=3, HAS_INDEX_IN_SEQUENCE=True, BLOCK=fused_ops.ADVANCE_BLOCK), {}),
+    ("lay_out_runs", fused_ops._lay_out_runs_kernel, {"*": "*i64"},
+     dict(HAS_INDEX_IN_SEQUENCE=True, BLOCK=fused_ops.LAY_OUT_BLOCK, SEQ_BLOCK=fused_ops.LAY_OUT_SEQ_BLOCK), {}),
     ("paged decode, GQA", triton_attention._paged_decode_kernel,
      {"OutPartial": "*fp32", "LsePartial": "*fp32", "BlockTables": "*i64", "ContextLens": "*i64", "TokenSeq": "*i64",
       "QueryCacheIndex": "*i64", "DraftStart": "*i64", "DraftVisible": "*i8"},

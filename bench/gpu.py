@@ -107,17 +107,17 @@ def zoo_prefill(llm, seqs, length, flop_rate, layers) -> dict:
     from zoo import SamplingParams
 
     g = torch.Generator().manual_seed(7000 + seqs)
-    best = {}
+    times = {}
     for whole_prompt_path in (False, True):  # the masked path this release replaced, then the reported one
         llm.engine.runner.fresh_causal_path = whole_prompt_path
         for _ in range(3):  # new prompts each time: no prefix-cache hits
             prompts = torch.randint(0, SHAPE["vocab_size"], (seqs, length), generator=g).tolist()
             seconds, _ = timed(lambda: llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True)))
-            best[whole_prompt_path] = min(seconds, best.get(whole_prompt_path, seconds))
-    flops = prefill_flops(seqs, length, layers)
-    return {"seqs": seqs, "length": length, "seconds": best[True], "prefill_tok_s": seqs * length / best[True],
-            "flops": flops, "compute_fraction": flops / best[True] / flop_rate,
-            "masked_path_seconds": best[False]}
+            times.setdefault(whole_prompt_path, []).append(seconds)
+    flops, best = prefill_flops(seqs, length, layers), min(times[True])
+    return {"seqs": seqs, "length": length, "seconds": best, "prefill_tok_s": seqs * length / best,
+            "flops": flops, "compute_fraction": flops / best / flop_rate, "all_seconds": times[True],
+            "masked_path_seconds": min(times[False])}
 
 
 def run_gpt_fast(folder: str, batches, timeout: int) -> dict:

@@ -351,6 +351,38 @@ def test_advance_decode_rows_is_the_runners_torch_ops(position_rows, windowed):
         assert torch.equal(buffers[name], expected[name]), name
 
 
+@pytest.mark.parametrize("windowed", [False, True])
+def test_lay_out_runs_kernel_is_the_torch_ops(windowed):
+    """A step of prompts and chunks laid out on the device: the kernel against step_inputs' PyTorch ops, over more
+    sequences than one block of runs (the kernel's loop) and more tokens than one program, a one-token run among
+    them, with every buffer's other entries left as they were."""
+    from zoo.step_inputs import lay_out_runs
+
+    g = torch.Generator().manual_seed(int(windowed))
+    seqs, width, bs = 150, 40, 16
+    lengths = torch.randint(1, 30, (seqs,), generator=g)
+    lengths[7] = 1
+    starts = torch.randint(0, bs * width - 30, (seqs,), generator=g)
+    first_rows = torch.cumsum(lengths, 0) - lengths
+    runs = torch.stack([first_rows, starts, lengths], 1).to(DEVICE)
+    tokens, max_query = int(lengths.sum()), int(lengths.max())
+    capacity = tokens + 50
+
+    def ints(*shape, high=100):
+        return torch.randint(0, high, shape, generator=g).to(DEVICE)
+
+    buffers = {"positions": ints(1, capacity), "token_seq": ints(capacity), "token_query_index": ints(capacity),
+               "token_cache_index": ints(capacity), "slot_mapping": ints(capacity),
+               "block_tables": ints(seqs + 5, width, high=5000), "query_cache_index": ints(seqs + 5, capacity)}
+    if windowed:
+        buffers["query_index_in_sequence"] = ints(seqs + 5, capacity)
+    expected = {name: value.clone() for name, value in buffers.items()}
+    lay_out_runs(expected, runs, tokens, max_query, bs)
+    fused_ops.lay_out_runs(buffers, runs, tokens, max_query, bs)
+    for name in buffers:
+        assert torch.equal(buffers[name], expected[name]), name
+
+
 NARROW_ONE_ROW = {(1 << 62, 1 << 62): (8, 64, 2, 4)}  # a tile under tensor cores' 16 columns: products summed in float32
 
 

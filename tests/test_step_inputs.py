@@ -18,6 +18,13 @@ from zoo.sampling_params import SamplingParams
 from zoo.scheduler import ScheduledRequest
 from zoo.step_inputs import StepLayout, device_lays_out, is_decode_token
 
+try:
+    import triton  # noqa: F401 - fused_ops' kernels run only with it
+
+    from zoo import fused_ops
+except ImportError:
+    fused_ops = None
+
 BLOCK_SIZE = 16
 TOKENS, SEQS, BLOCKS_PER_SEQ = 4096, 16, 64
 LAYOUT_FIELDS = ("input_ids", "offsets", "logits_rows", "logits_indices", "prompt_logits_rows", "context_lens",
@@ -58,8 +65,9 @@ def random_step(rng: random.Random) -> list[ScheduledRequest]:
     return step
 
 
-def lay_out(step: list[ScheduledRequest], on_device: bool, sliding_window: bool):
-    """ModelRunner.prepare's layout of a step without position hooks or graph padding, the one way or the other."""
+def lay_out(step: list[ScheduledRequest], on_device: bool, sliding_window: bool, runs_writer=None):
+    """ModelRunner.prepare's layout of a step without position hooks or graph padding, the one way or the other
+    (on the device by ``runs_writer``: step_inputs' PyTorch ops by default)."""
     layout = StepLayout(1, BLOCK_SIZE)
     if on_device:
         layout.runs = []
@@ -73,7 +81,7 @@ def lay_out(step: list[ScheduledRequest], on_device: bool, sliding_window: bool)
     written = buffers(sliding_window)
     if sliding_window:
         written["query_index_in_sequence"].fill_(-1)
-    limits = layout.write(written, [e.request.block_ids for e in step])
+    limits = layout.write(written, [e.request.block_ids for e in step], runs_writer)
     return layout, written, limits
 
 
@@ -84,7 +92,9 @@ def test_a_step_laid_out_on_the_device_fills_the_buffers_as_the_lists_do(seed):
     assert all(map(device_lays_out, step))
     sliding_window = seed % 4 == 0
     lists, from_lists, lists_limits = lay_out(step, False, sliding_window)
-    runs, from_runs, runs_limits = lay_out(step, True, sliding_window)
+    # every fifth step also through fused_ops' kernel (Triton's interpreter on CPU), as ModelRunner runs it on a GPU
+    writer = fused_ops.lay_out_runs if fused_ops is not None and seed % 5 == 0 else None
+    runs, from_runs, runs_limits = lay_out(step, True, sliding_window, writer)
     assert runs_limits == lists_limits
     for name in from_lists:
         assert torch.equal(from_runs[name], from_lists[name]), name

@@ -58,6 +58,10 @@ FOLD_INTO_PROJECTIONS = True
 # and 43807 at batch 64, same tokens (`bench/gpu.py --compare-switch fused_ops.ADVANCE_KERNEL`,
 # bench/results/gpu/round12/gpu_compare_advance.md).
 ADVANCE_KERNEL = True
+# Whether a step of prompts and chunks laid out on the device (``step_inputs.StepLayout.runs``) derives its per-token
+# inputs in one kernel (``lay_out_runs``) instead of about twenty PyTorch ops: the host's launches of those ops come
+# before the step's first kernel, with the GPU idle.
+RUNS_KERNEL = True
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) by output width, the best of a sweep on the H200 (gemv.txt): narrow
 # outputs take narrow tiles, so that even a 2048-wide product spreads over every SM.
 GEMV_CONFIGS = {2048: (16, 512, 3, 4), 4096: (32, 512, 3, 4), 1 << 62: (64, 128, 3, 4)}
@@ -470,6 +474,58 @@ def advance_decode_rows(buffers: dict[str, torch.Tensor], n: int, block_size: in
         block_tables, block_tables.stride(0), buffers["slot_mapping"], n, block_size,
         POSITION_ROWS=positions.shape[0], HAS_INDEX_IN_SEQUENCE=index_in_sequence is not None,
         BLOCK=ADVANCE_BLOCK)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lay_out_runs_kernel(Runs, num_seqs, num_tokens, TokenSeq, TokenQueryIndex, TokenCacheIndex, Positions,
+                             BlockTables, stride_b, SlotMapping, QueryCacheIndex, stride_q, IndexInSequence,
+                             stride_i, block_size, HAS_INDEX_IN_SEQUENCE: tl.constexpr, BLOCK: tl.constexpr,
+                             SEQ_BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < num_tokens
+        # A row's sequence: the runs (in row order) starting at or before it, less one. A loop over blocks of
+        # runs rather than one block of them all, so that any number of sequences takes the same compiled kernel.
+        seq = tl.zeros([BLOCK], dtype=tl.int64) - 1
+        for first_seq in range(0, num_seqs, SEQ_BLOCK):
+            seqs = first_seq + tl.arange(0, SEQ_BLOCK)
+            first_rows = tl.load(Runs + seqs * 3, mask=seqs < num_seqs, other=num_tokens)
+            seq += tl.sum((first_rows[None, :] <= rows[:, None]).to(tl.int64), axis=1)
+        seq = tl.where(ok, seq, 0)
+        query_index = rows - tl.load(Runs + seq * 3)
+        cache_index = tl.load(Runs + seq * 3 + 1) + query_index
+        tl.store(TokenSeq + rows, seq, mask=ok)
+        tl.store(TokenQueryIndex + rows, query_index, mask=ok)
+        tl.store(TokenCacheIndex + rows, cache_index, mask=ok)
+        tl.store(Positions + rows, cache_index, mask=ok)
+        block = tl.load(BlockTables + seq * stride_b + cache_index // block_size, mask=ok, other=0)
+        tl.store(SlotMapping + rows, block * block_size + cache_index % block_size, mask=ok)
+        tl.store(QueryCacheIndex + seq * stride_q + query_index, cache_index, mask=ok)
+        if HAS_INDEX_IN_SEQUENCE:
+            tl.store(IndexInSequence + seq * stride_i + query_index, cache_index, mask=ok)
+
+
+LAY_OUT_BLOCK, LAY_OUT_SEQ_BLOCK = 128, 64
+
+
+def lay_out_runs(buffers: dict[str, torch.Tensor], runs: torch.Tensor, num_tokens: int, max_query: int,
+                 block_size: int) -> None:
+    """What ``step_inputs.write_runs`` derives from a step's runs in about twenty PyTorch ops, in one launch
+    (and a fill of the per-sequence query tables' padding): each token's sequence, query index, cache index,
+    position and slot, and the tables by sequence and query index."""
+    num_seqs = runs.shape[0]
+    query_cache_index, index_in_sequence = buffers["query_cache_index"], buffers.get("query_index_in_sequence")
+    tables = (query_cache_index,) if index_in_sequence is None else (query_cache_index, index_in_sequence)
+    for table in tables:  # the padding past each sequence's queries reads 0, as the lists' padded rows do
+        table[:num_seqs, :max_query].zero_()
+    block_tables = buffers["block_tables"]
+    _lay_out_runs_kernel[(triton.cdiv(num_tokens, LAY_OUT_BLOCK),)](
+        runs, num_seqs, num_tokens, buffers["token_seq"], buffers["token_query_index"],
+        buffers["token_cache_index"], buffers["positions"], block_tables, block_tables.stride(0),
+        buffers["slot_mapping"], query_cache_index, query_cache_index.stride(0), tables[-1], tables[-1].stride(0),
+        block_size, HAS_INDEX_IN_SEQUENCE=index_in_sequence is not None, BLOCK=LAY_OUT_BLOCK,
+        SEQ_BLOCK=LAY_OUT_SEQ_BLOCK)
 
 
 # Logits one program of the argmax reads: a 128k vocabulary is 32 programs per row.

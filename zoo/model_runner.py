@@ -143,7 +143,8 @@ class ModelRunner:
                         layout.pad_entry(stride, self.kv.scratch_block * self.block_size)
         if stride > 1:
             layout.every_row_gives_logits()
-        max_query, num_blocks = layout.write(self.buffers, [e.request.block_ids for e in scheduled])
+        runs_writer = fused_ops.lay_out_runs if self.model.fused and fused_ops.RUNS_KERNEL else None
+        max_query, num_blocks = layout.write(self.buffers, [e.request.block_ids for e in scheduled], runs_writer)
         if graph is None:
             graph = self.graphs.prompt_key(layout, scheduled) or self.graphs.mixed_key(layout, scheduled)
         batch = StepBatch(scheduled, len(layout.input_ids), layout.offsets, layout.logits_rows,

@@ -225,8 +225,10 @@ class StepLayout:
         self.prompt_logits_rows = [[self.logits_indices[r] for r in rows] for rows in self.prompt_logits_rows]
         self.logits_indices = list(range(len(self.input_ids)))
 
-    def write(self, buffers: dict[str, torch.Tensor], block_ids: list[list[int]]) -> tuple[int, int]:
-        """Copy the lists into the static buffers; returns (longest query, widest block table)."""
+    def write(self, buffers: dict[str, torch.Tensor], block_ids: list[list[int]], runs_writer=None
+              ) -> tuple[int, int]:
+        """Copy the lists into the static buffers; returns (longest query, widest block table). A step of runs is
+        laid out by ``runs_writer`` (default: :func:`lay_out_runs`)."""
         # non_blocking: a pageable source is staged at the call, and a blocking copy would wait for the GPU to
         # drain, so that an overlapped step's layout would wait for the step before it
         for name, values in (("input_ids", self.input_ids), ("logits_indices", self.logits_indices),
@@ -236,7 +238,7 @@ class StepLayout:
         num_seqs = len(block_ids)
         buffers["block_tables"][:num_seqs, :num_blocks].copy_(padded_rows(block_ids, num_blocks), non_blocking=True)
         if self.runs is not None:
-            return self._write_runs(buffers, num_seqs), num_blocks
+            return self._write_runs(buffers, runs_writer or lay_out_runs), num_blocks
         for name, values in (("slot_mapping", self.slots), ("token_seq", self.token_seq),
                              ("token_query_index", self.query_index),
                              ("token_cache_index", [i for row in self.visible_rows for i in row])):
@@ -262,26 +264,35 @@ class StepLayout:
             buffers[name][:num_seqs, :max_query].copy_(padded_rows(rows, max_query), non_blocking=True)
         return max_query, num_blocks
 
-    def _write_runs(self, buffers: dict[str, torch.Tensor], num_seqs: int) -> int:
-        """The per-token inputs of a step of runs, derived on the device: each token's sequence, index in it and
-        cache index (its position too, and what it sees: its own sequence up to itself), and its slot from the
-        block table written before. The same values as the lists of add_entry; returns the longest query."""
-        device, tokens = buffers["input_ids"].device, len(self.input_ids)
+    def _write_runs(self, buffers: dict[str, torch.Tensor], lay_out) -> int:
+        """The per-token inputs of a step of runs, derived on the device by ``lay_out`` (:func:`lay_out_runs` or
+        ``fused_ops.lay_out_runs``); returns the longest query."""
+        device = buffers["input_ids"].device
         runs = int64_tensor([v for run in self.runs for v in run]).to(device, non_blocking=True).view(-1, 3)
-        first_row, start, length = runs.unbind(1)
-        seq = torch.arange(num_seqs, device=device).repeat_interleave(length, output_size=tokens)
-        query_index = torch.arange(tokens, device=device) - first_row[seq]
-        cache_index = start[seq] + query_index
-        buffers["token_seq"][:tokens] = seq
-        buffers["token_query_index"][:tokens] = query_index
-        buffers["token_cache_index"][:tokens] = cache_index
-        buffers["positions"][0, :tokens] = cache_index
-        bs = self.block_size
-        buffers["slot_mapping"][:tokens] = buffers["block_tables"][seq, cache_index // bs] * bs + cache_index % bs
         max_query = max(n for _, _, n in self.runs)
-        index = torch.arange(max_query, device=device)
-        by_query = torch.where(index < length[:, None], start[:, None] + index, 0)  # zero-padded, as padded_rows
-        buffers["query_cache_index"][:num_seqs, :max_query] = by_query
-        if "query_index_in_sequence" in buffers:
-            buffers["query_index_in_sequence"][:num_seqs, :max_query] = by_query
+        lay_out(buffers, runs, len(self.input_ids), max_query, self.block_size)
         return max_query
+
+
+def lay_out_runs(buffers: dict[str, torch.Tensor], runs: torch.Tensor, num_tokens: int, max_query: int,
+                 block_size: int) -> None:
+    """A step's per-token inputs from its runs (``[sequences, 3]``: first row, first cache index, tokens) in
+    PyTorch ops: each token's sequence, index in it and cache index (its position too, and what it sees: its own
+    sequence up to itself), its slot from the block table written before, and the zero-padded tables by sequence
+    and query index. The same values as the lists of ``StepLayout.add_entry``."""
+    device, num_seqs = runs.device, runs.shape[0]
+    first_row, start, length = runs.unbind(1)
+    seq = torch.arange(num_seqs, device=device).repeat_interleave(length, output_size=num_tokens)
+    query_index = torch.arange(num_tokens, device=device) - first_row[seq]
+    cache_index = start[seq] + query_index
+    buffers["token_seq"][:num_tokens] = seq
+    buffers["token_query_index"][:num_tokens] = query_index
+    buffers["token_cache_index"][:num_tokens] = cache_index
+    buffers["positions"][0, :num_tokens] = cache_index
+    buffers["slot_mapping"][:num_tokens] = (buffers["block_tables"][seq, cache_index // block_size] * block_size
+                                            + cache_index % block_size)
+    index = torch.arange(max_query, device=device)
+    by_query = torch.where(index < length[:, None], start[:, None] + index, 0)
+    buffers["query_cache_index"][:num_seqs, :max_query] = by_query
+    if "query_index_in_sequence" in buffers:
+        buffers["query_index_in_sequence"][:num_seqs, :max_query] = by_query
