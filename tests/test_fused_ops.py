@@ -297,9 +297,9 @@ def test_no_programmatic_dependent_launch_off_hopper():
     ("llama", 0, True, True), ("qwen2", 0, True, True), ("llama", 64, False, True), ("llama", 64, True, False),
     ("qwen2", 64, True, False), ("llama", 64, True, True)])
 def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, split_k, monkeypatch):
-    """Whole forward passes (prefill in chunks, then overlapped decode steps whose inputs the kernel advances)
-    with every fused kernel on; with projection_rows, the layers' projections of steps up to that many tokens run
-    the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
+    """Whole forward passes (prefill in chunks laid out by fused_ops.lay_out_runs, then overlapped decode steps
+    whose inputs the kernel advances) with every fused kernel on; with projection_rows, the layers' projections of
+    steps up to that many tokens run the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
     products' epilogues; with split_k as well, the whole MLP as one launch (fused_ops.MLP_SPLIT_K)."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
@@ -307,7 +307,7 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     monkeypatch.setattr(fused_ops, "MLP_SPLIT_K", split_k)
     calls = []  # the folding kernels and the step's input kernels that ran
     for kernel_name in ("qkv_rope_and_write_cache", "gate_up_silu", "mlp_split_k", "embedding",
-                        "rotate_half_tables"):
+                        "rotate_half_tables", "lay_out_runs"):
         def counted(*args, _kernel=getattr(fused_ops, kernel_name), _name=kernel_name):
             calls.append(_name)
             return _kernel(*args)
@@ -323,7 +323,7 @@ def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection
     folds_ran = fold and projection_rows > 0
     mlp_kernel = "mlp_split_k" if split_k else "gate_up_silu"
     assert set(calls) == ({"qkv_rope_and_write_cache", mlp_kernel} if folds_ran else set()) | {
-        "embedding", "rotate_half_tables"}
+        "embedding", "rotate_half_tables", "lay_out_runs"}  # the prompts' chunks laid out by the kernel
 
 
 @pytest.mark.parametrize("position_rows, windowed", [(1, False), (3, True)])

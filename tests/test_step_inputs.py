@@ -25,6 +25,7 @@ try:
 except ImportError:
     fused_ops = None
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16
 TOKENS, SEQS, BLOCKS_PER_SEQ = 4096, 16, 64
 LAYOUT_FIELDS = ("input_ids", "offsets", "logits_rows", "logits_indices", "prompt_logits_rows", "context_lens",
@@ -41,7 +42,7 @@ def buffers(sliding_window: bool) -> dict[str, torch.Tensor]:
               "context_lens": (SEQS,), "draft_start": (SEQS,)}
     if sliding_window:
         shapes["query_index_in_sequence"] = (SEQS, TOKENS)
-    return {name: torch.full(shape, -1, dtype=torch.int64) for name, shape in shapes.items()}
+    return {name: torch.full(shape, -1, dtype=torch.int64, device=DEVICE) for name, shape in shapes.items()}
 
 
 def random_step(rng: random.Random) -> list[ScheduledRequest]:
