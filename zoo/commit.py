@@ -65,7 +65,7 @@ class Committer:
     def _register_filled_blocks(self, entries: list[ScheduledRequest]) -> None:
         """The prefix cache's entries for the blocks this step's prompt tokens fill, made before the sampler waits
         for the GPU rather than after: their hashes need only the tokens, and a later step reads their K/V after
-        this one wrote it. A 2,047-token prompt's 127 blocks were a tenth of a millisecond of host time."""
+        this one wrote it. A 2,047-token prompt's 127 blocks took a tenth of a millisecond on this project's CPU."""
         for entry in entries:
             if entry.num_tokens > 1 and entry.draft is None:
                 entry.request.num_computed_tokens = entry.start + entry.num_tokens  # as _advance sets it

@@ -511,7 +511,7 @@ LAY_OUT_BLOCK, LAY_OUT_SEQ_BLOCK = 128, 64
 
 def lay_out_runs(buffers: dict[str, torch.Tensor], runs: torch.Tensor, num_tokens: int, max_query: int,
                  block_size: int) -> None:
-    """What ``step_inputs.write_runs`` derives from a step's runs in about twenty PyTorch ops, in one launch
+    """What ``step_inputs.lay_out_runs`` derives from a step's runs in about twenty PyTorch ops, in one launch
     (and a fill of the per-sequence query tables' padding): each token's sequence, query index, cache index,
     position and slot, and the tables by sequence and query index."""
     num_seqs = runs.shape[0]
