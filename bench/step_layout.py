@@ -109,7 +109,8 @@ def main() -> int:
     use(("", device_lays_out, runs_kernel))
     runner.run = run
     print(f"the host's share of a 1 x 2,040 generate (all but the forward pass), medians of {args.generates - 2} "
-          "taking turns: " + ", ".join(f"{label} {1000 * statistics.median(t[2:]):.2f} ms" for label, t in host.items()))
+          "taking turns: " + ", ".join(f"{label} {1000 * statistics.median(times[2:]):.2f} ms"
+                                       for label, times in host.items()))
     return 0
 
 

@@ -299,8 +299,9 @@ def test_no_programmatic_dependent_launch_off_hopper():
 def test_model_with_fused_ops_matches_transformers(checkpoints, name, projection_rows, fold, split_k, monkeypatch):
     """Whole forward passes (prefill in chunks laid out by fused_ops.lay_out_runs, then overlapped decode steps
     whose inputs the kernel advances) with every fused kernel on; with projection_rows, the layers' projections of
-    steps up to that many tokens run the weight-streaming kernel too, and with fold, rotary with the cache write and SiLU-and-mul run in those
-    products' epilogues; with split_k as well, the whole MLP as one launch (fused_ops.MLP_SPLIT_K)."""
+    steps up to that many tokens run the weight-streaming kernel too, and with fold, rotary with the cache write and
+    SiLU-and-mul run in those products' epilogues; with split_k as well, the whole MLP as one launch
+    (fused_ops.MLP_SPLIT_K)."""
     monkeypatch.setattr(fused_ops, "PROJECTION_GEMV_MAX_ROWS", projection_rows)
     monkeypatch.setattr(fused_ops, "FOLD_INTO_PROJECTIONS", fold)
     monkeypatch.setattr(fused_ops, "ADVANCE_KERNEL", True)
