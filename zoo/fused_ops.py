@@ -478,7 +478,9 @@ def advance_decode_rows(buffers: dict[str, torch.Tensor], n: int, block_size: in
 
 if triton is not None:
 
-    @triton.jit
+    # Not specialised on the step's sizes (Triton compiles a variant for a size of 1 and for multiples of 16): the
+    # kernel runs outside the graphs, so each variant would first compile in the middle of serving.
+    @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
     def _lay_out_runs_kernel(Runs, num_seqs, num_tokens, TokenSeq, TokenQueryIndex, TokenCacheIndex, Positions,
                              BlockTables, stride_b, SlotMapping, QueryCacheIndex, stride_q, IndexInSequence,
                              stride_i, block_size, HAS_INDEX_IN_SEQUENCE: tl.constexpr, BLOCK: tl.constexpr,
