@@ -126,7 +126,7 @@ class ModelRunner:
         graph = self.graphs.key_for(scheduled)
         stride = self.graphs.families[graph[0]].stride if graph else 1
         # Steps with prompts or chunks are laid out on the device (bench/step_layout.py); decodes alone stay on the
-        # lists, where one token a sequence costs the host less than the device layout's dozen small operations.
+        # lists, one token a sequence, where the device layout has not been measured to gain.
         default_layout = stride == 1 and not self.position_hooks  # no graph padding, positions by cache index
         if (default_layout and sum(e.num_tokens for e in scheduled) > len(scheduled)
                 and all(map(device_lays_out, scheduled))):
