@@ -39,6 +39,7 @@ def start_server(args, port):
     cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
            f"runtime.max_num_seqs={max(args.concurrency)}", *[f"runtime.{kv}" for kv in args.runtime],
            *args.server_overrides] + (
+               [f"server.engine_threads={len(args.engine_cpus)}"] if args.engine_cpus else []) + (
                [f"model.path={args.model}"] if args.model else [])
     log = open(args.server_log, "w")  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     pin = (lambda: os.sched_setaffinity(0, args.server_cpus)) if args.server_cpus else None  # its engine inherits it
@@ -136,6 +137,16 @@ def process_group(server_pid: int) -> dict[str, list[int]]:
     except OSError:
         pass
     return pids
+
+
+def pin_server(pids: dict[str, list[int]], engine_cpus: list[int], http_cpus: list[int]) -> None:
+    """Every thread of the engine process (its compute threads included) onto ``engine_cpus``, of the HTTP processes
+    onto ``http_cpus``: a thread's affinity is its own, so each one of /proc/PID/task is set."""
+    for role, cpus in (("engine", engine_cpus), ("http", http_cpus)):
+        for pid in pids.get(role, []):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+    print(f"pinned: the engine process on cores {engine_cpus}, the HTTP process on {http_cpus}", flush=True)
 
 
 def clients(base_url, model, prompts, max_tokens, concurrency) -> tuple[list[dict], list[str]]:
@@ -258,6 +269,10 @@ def main() -> int:
                    help="run the server (HTTP and engine processes) and LLM.generate on these cores and the clients on "
                         "the others, so that the load generator takes nothing from the system under test and both "
                         "engines get the same cores (e.g. --server-cpus 1 on a 2-core machine)")
+    p.add_argument("--engine-cpus", type=int, nargs="+", default=None, metavar="CPU",
+                   help="with --server-cpus: after the warm-up, pin the engine process's threads to these of them and "
+                        "the HTTP processes to the rest, and run LLM.generate on these alone with one thread each, so "
+                        "that both engines compute on the same cores and the HTTP side on its own")
     p.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="then N pairs, each the widest level and one LLM.generate run (built beside the idle server), "
                         "and the median of their ratios: on a machine whose speed drifts, the fair comparison. On "
@@ -274,6 +289,8 @@ def main() -> int:
         if not client_cpus or not set(args.server_cpus) <= os.sched_getaffinity(0):
             raise SystemExit(f"--server-cpus {args.server_cpus}: name cores of {sorted(os.sched_getaffinity(0))} "
                              "and leave at least one for the clients")
+    if args.engine_cpus and not (args.server_cpus and set(args.engine_cpus) < set(args.server_cpus)):
+        raise SystemExit(f"--engine-cpus {args.engine_cpus}: name some of --server-cpus {args.server_cpus}, not all")
     if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
         import tempfile
         from pathlib import Path
@@ -304,6 +321,8 @@ def main() -> int:
         # now (Triton caches them on disk, so LLM.generate below starts warm too), not inside the measured levels.
         run_level(base_url, model, prompts[:max(args.concurrency)], args.max_tokens, max(args.concurrency),
                   processes=args.client_processes)
+        if args.engine_cpus:
+            pin_server(process_group(proc.pid), args.engine_cpus, sorted(set(args.server_cpus) - set(args.engine_cpus)))
         levels = []
         for concurrency in args.concurrency:
             spy, pids = None, process_group(proc.pid)
@@ -357,6 +376,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "levels": levels, "offline_output_tok_s": median_offline,
                        "offline_threads": torch.get_num_threads(), "server_cpus": args.server_cpus,
+                       "engine_cpus": args.engine_cpus,
                        "offline_runs_tok_s": runs, "interleaved_pairs": pairs}, f, indent=1)
     return 0
 
@@ -386,7 +406,7 @@ class OfflineEngine:
 
         self.args, self.prompts = args, prompts
         if args.offline_threads or args.server_cpus:
-            torch.set_num_threads(args.offline_threads or len(args.server_cpus))
+            torch.set_num_threads(args.offline_threads or len(args.engine_cpus or args.server_cpus))
         runtime = {key: json_or_text(value) for key, value in (kv.split("=", 1) for kv in args.runtime)}
         self.llm = LLM(args.model, max_num_seqs=max(args.concurrency), **runtime)
         self.params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
@@ -399,7 +419,7 @@ class OfflineEngine:
         pinned = bool(self.args.server_cpus)
         if pinned:
             before = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.args.server_cpus)
+            os.sched_setaffinity(0, self.args.engine_cpus or self.args.server_cpus)
         try:
             start = time.perf_counter()
             outs = self.llm.generate(prompts or self.prompts, self.params)
