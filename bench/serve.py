@@ -139,13 +139,21 @@ def process_group(server_pid: int) -> dict[str, list[int]]:
     return pids
 
 
+def set_affinity(pid: int, cpus) -> None:
+    """Every thread of process ``pid`` onto ``cpus``: a thread's affinity is its own."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread has ended since the listing
+            pass
+
+
 def pin_server(pids: dict[str, list[int]], engine_cpus: list[int], http_cpus: list[int]) -> None:
     """Every thread of the engine process (its compute threads included) onto ``engine_cpus``, of the HTTP processes
-    onto ``http_cpus``: a thread's affinity is its own, so each one of /proc/PID/task is set."""
+    onto ``http_cpus``."""
     for role, cpus in (("engine", engine_cpus), ("http", http_cpus)):
         for pid in pids.get(role, []):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.sched_setaffinity(int(tid), cpus)
+            set_affinity(pid, cpus)
     print(f"pinned: the engine process on cores {engine_cpus}, the HTTP process on {http_cpus}", flush=True)
 
 
@@ -417,16 +425,16 @@ class OfflineEngine:
     def run(self, prompts=None) -> float:
         """One run; output tokens per second."""
         pinned = bool(self.args.server_cpus)
-        if pinned:
+        if pinned:  # every thread: torch's compute threads may have started before, on the clients' cores
             before = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.args.engine_cpus or self.args.server_cpus)
+            set_affinity(os.getpid(), self.args.engine_cpus or self.args.server_cpus)
         try:
             start = time.perf_counter()
             outs = self.llm.generate(prompts or self.prompts, self.params)
             return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
         finally:
             if pinned:
-                os.sched_setaffinity(0, before)
+                set_affinity(os.getpid(), before)
 
 
 if __name__ == "__main__":

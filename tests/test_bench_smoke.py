@@ -118,6 +118,23 @@ def test_serve_script_pins_the_server_and_interleaves_the_offline_engine(tmp_pat
         assert record["server_cpus"] == [cores[-1]] and record["offline_threads"] == 1
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 3, reason="needs a core for the clients, the HTTP process and the engine")
+def test_serve_script_pins_the_engine_and_the_offline_engine_to_the_same_cores(tmp_path):
+    """bench/serve.py --engine-cpus: the engine process's threads on one core, the HTTP process on another, the
+    clients on the rest; LLM.generate computes on the engine's core with one thread."""
+    cores = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "serve.json"
+    args = [sys.executable, str(SCRIPT.parent / "serve.py"), "--concurrency", "4", "--rounds", "2", "--max-tokens", "8",
+            "--interleave", "1", "--out", str(out), "--runtime", "gpu_memory_utilization=0.03",
+            "--server-cpus", str(cores[-2]), str(cores[-1]), "--engine-cpus", str(cores[-1])]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"pinned: the engine process on cores [{cores[-1]}], the HTTP process on [{cores[-2]}]" in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["engine_cpus"] == [cores[-1]] and record["offline_threads"] == 1
+    assert len(record["interleaved_pairs"]) == 1 and record["interleaved_pairs"][0]["ratio"] > 0
+
+
 def test_the_profiles_current_variant_is_the_runtimes_defaults():
     # bench/profile_gpu_step.py's "current" variant is what its A/Bs measure new switches against: it must set
     # every switch it touches to the runtime's default, or the profile measures a configuration nobody runs.
