@@ -39,7 +39,8 @@ def start_server(args, port):
     cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
            f"runtime.max_num_seqs={max(args.concurrency)}", *[f"runtime.{kv}" for kv in args.runtime],
            *args.server_overrides] + (
-               [f"server.engine_threads={len(args.engine_cpus)}"] if args.engine_cpus else []) + (
+               [f"server.engine_threads={max(1, len(args.engine_cpus) // engine_processes(args))}"]
+               if args.engine_cpus else []) + (
                [f"model.path={args.model}"] if args.model else [])
     log = open(args.server_log, "w")  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     pin = (lambda: os.sched_setaffinity(0, args.server_cpus)) if args.server_cpus else None  # its engine inherits it
@@ -119,9 +120,10 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def process_group(server_pid: int) -> dict[str, list[int]]:
+def process_group(server_pid: int, engines: int = 1) -> dict[str, list[int]]:
     """The server's HTTP processes (the server and, with server.http_processes, the children it starts after the
-    engine), its engine process (its first child) and this client process."""
+    engines), its ``engines`` engine processes (its first children: server.data_parallel_size) and this client
+    process."""
     pids = {"client": [os.getpid()], "http": [server_pid]}
     try:
         with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
@@ -132,8 +134,8 @@ def process_group(server_pid: int) -> dict[str, list[int]]:
                 if b"resource_tracker" not in f.read():
                     spawned.append(int(child))
         if spawned:
-            pids["engine"] = spawned[:1]
-            pids["http"] += spawned[1:]
+            pids["engine"] = spawned[:engines]
+            pids["http"] += spawned[engines:]
     except OSError:
         pass
     return pids
@@ -146,6 +148,12 @@ def set_affinity(pid: int, cpus) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # the thread has ended since the listing
             pass
+
+
+def engine_processes(args) -> int:
+    """The server's engine processes: one per replica (``server.data_parallel_size`` among the overrides)."""
+    sizes = [int(kv.split("=", 1)[1]) for kv in args.server_overrides if kv.startswith("server.data_parallel_size=")]
+    return sizes[-1] if sizes else 1
 
 
 def pin_server(pids: dict[str, list[int]], engine_cpus: list[int], http_cpus: list[int]) -> None:
@@ -330,10 +338,10 @@ def main() -> int:
         run_level(base_url, model, prompts[:max(args.concurrency)], args.max_tokens, max(args.concurrency),
                   processes=args.client_processes)
         if args.engine_cpus:
-            pin_server(process_group(proc.pid), args.engine_cpus, sorted(set(args.server_cpus) - set(args.engine_cpus)))
+            pin_server(process_group(proc.pid, engine_processes(args)), args.engine_cpus, sorted(set(args.server_cpus) - set(args.engine_cpus)))
         levels = []
         for concurrency in args.concurrency:
-            spy, pids = None, process_group(proc.pid)
+            spy, pids = None, process_group(proc.pid, engine_processes(args))
             if args.py_spy and concurrency == max(args.concurrency) and args.py_spy_process in pids:
                 spy_binary = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
                 spy = subprocess.Popen([spy_binary, "record", "--pid", str(pids[args.py_spy_process][0]),
@@ -391,7 +399,7 @@ def main() -> int:
 
 def measured_level(args, proc, base_url, model, prompts, concurrency) -> dict:
     r = run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens, concurrency,
-                  process_group(proc.pid), args.client_processes)
+                  process_group(proc.pid, engine_processes(args)), args.client_processes)
     print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
           f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms, "
           f"TPOT mean {r['tpot_mean_ms']:.2f} ms; cores busy: "

@@ -660,6 +660,7 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
     ("server.engine_threads=0", "server.engine_threads=0: must be an integer >= 1"),
     ("server.stream_interval=0", "server.stream_interval=0: must be an integer >= 1"),
     ("server.http_processes=0", "server.http_processes=0: must be an integer >= 1"),
+    ("server.data_parallel_size=0", "server.data_parallel_size=0: must be an integer >= 1"),
     ("runtime.tensor_parallel_size=0", "runtime.tensor_parallel_size=0: must be"),
 ])
 def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
@@ -667,6 +668,27 @@ def test_a_bad_server_setting_is_one_line_before_anything_loads(override, messag
                           timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(f"error: {message}")
     assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
+
+
+def test_replicas_of_a_tensor_parallel_engine_or_past_the_gpus_are_one_line(tmp_path):
+    """server.data_parallel_size needs an engine of one rank and, on CUDA, a device per replica."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "zoo.serve", "server.data_parallel_size=2",
+                           "runtime.tensor_parallel_size=2"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0] == (
+        "error: server.data_parallel_size=2 with runtime.tensor_parallel_size=2: replicas of a tensor-parallel engine "
+        "are not supported; set one of them to 1")
+    assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
+    import torch
+
+    if torch.cuda.is_available():  # one replica more than the machine has devices
+        replicas = torch.cuda.device_count() + 1
+        proc = subprocess.run([sys.executable, "-m", "zoo.serve", f"server.data_parallel_size={replicas}",
+                               "runtime.device=cuda"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                              env=env)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(
+            f"error: server.data_parallel_size={replicas}: each replica needs a CUDA device of its own")
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -976,6 +998,7 @@ def test_the_engine_computes_on_the_cores_it_may_use_less_one_for_http():
     assert [engine_threads(None, 1, cores) for cores in (1, 2, 8)] == [1, 1, 7]
     assert engine_threads(None, 2, 9) == 4
     assert [engine_threads(None, 1, cores, http_processes=2) for cores in (2, 8)] == [1, 6]
+    assert [engine_threads(None, 1, cores, replicas=2) for cores in (2, 3, 9)] == [1, 1, 4]  # replicas share them
     if shutil.which("taskset"):  # a process started on one core counts one
         script = "from zoo.engine_process import usable_cores; print(usable_cores())"
         pinned = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-c", script],
@@ -1180,3 +1203,81 @@ def test_the_engine_loop_answers_each_http_process_on_its_own_pipe(local):
     first.close()  # the last one gone: the loop ends
     runner.join(60)
     assert not runner.is_alive()
+
+
+def process_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: [11] user and [12] system time in ticks, [19] start time."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def engine_processes_of(server, count: int) -> list[int]:
+    """The server's first ``count`` children to start, multiprocessing's resource tracker aside: its engine
+    processes, which start before any other HTTP process."""
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    spawned = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+            if b"resource_tracker" not in cmdline.read():
+                spawned.append(child)
+    return sorted(spawned, key=lambda pid: int(process_stat(pid)[19]))[:count]
+
+
+def cpu_seconds_of(pid: int) -> float:
+    fields = process_stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the engine processes through /proc")
+def test_engine_replicas_share_the_requests_and_free_their_blocks(model_dir, local, tmp_path):
+    """server.data_parallel_size=2 (vLLM's --data-parallel-size) behind two HTTP processes: both engine processes
+    compute, every request gets zoo's tokens, clients that hang up free their blocks on whichever replica ran them,
+    and SIGTERM stops every process with exit status 0."""
+    folder, _ = model_dir
+    server = Served([f"model.path={folder}", "server.data_parallel_size=2", "server.http_processes=2"], cwd=tmp_path)
+    try:
+        engines = engine_processes_of(server, 2)
+        before = [cpu_seconds_of(pid) for pid in engines]
+        client, name = server.client(key="unused"), server.model_name()
+        prompts = [f"def r{i}(x" for i in range(16)]
+        lengths = [20 + (i * 7) % 40 for i in range(16)]
+        expected = [o.text for o in local.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])]
+        got, errors = [None] * len(prompts), []
+
+        def ask(i):
+            try:
+                chunks = client.completions.create(model=name, prompt=prompts[i], max_tokens=lengths[i],
+                                                   temperature=0, stream=True)
+                got[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+
+        def hang_up(i):
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                              json={"prompt": f"class R{i}:", "max_tokens": 1500, "temperature": 0,
+                                    "stream": True}) as reply:
+                for k, _ in enumerate(reply.iter_lines()):
+                    if k >= 3:
+                        break
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        threads += [threading.Thread(target=hang_up, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and got == expected
+        spent = [cpu_seconds_of(pid) - start for pid, start in zip(engines, before)]
+        assert min(spent) > 0.05, spent  # each replica stepped some of the requests (an idle one waits on its pipes)
+        metrics = wait_idle(server)
+        # the hung-up requests were aborted on their replicas, not run to their 1500 tokens
+        assert metrics["zoo_generated_tokens_total"] < sum(lengths) + 4 * 300, metrics
+        assert metrics["zoo_kv_blocks_total"] > 0
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=90) == 0
+        assert "(2 HTTP processes, 2 engine replicas)" in server.proc.stderr.read()
+        for pid in engines:
+            assert not os.path.exists(f"/proc/{pid}") or process_stat(pid)[0] == "Z"
+    finally:
+        server.stop()

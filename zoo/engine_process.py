@@ -7,7 +7,9 @@ Handlers hand it requests and aborts through a pipe (:class:`EngineClient`); its
 what came, steps, and sends each step's events back in one message, which a reader thread hands to the handlers'
 event loops. Under tensor parallelism there is one such process per rank; rank 0 talks to the HTTP process and
 hands the others the same messages. With ``server.http_processes`` N, N HTTP processes share the port,
-each with a pipe of its own to the one engine loop, which sends each its own requests' events.
+each with a pipe of its own to the one engine loop, which sends each its own requests' events. With
+``server.data_parallel_size`` N there are N such engines, each a whole copy of the model (:class:`EngineReplicas`),
+and each HTTP process hands a new request to the one with the fewest unfinished.
 """
 
 import asyncio
@@ -38,6 +40,7 @@ class Submission:
     ident: int = 0  # its number between the server and the engine process
     unfinished: int = 0  # prompts the engine has not finished
     stream: bool = True  # whether its handler writes text as it comes (else the engine sends only the outputs)
+    replica: int = 0  # which of the server.data_parallel_size engines runs it
 
 
 class EngineLoop:
@@ -232,13 +235,14 @@ class EngineLoop:
                 "tokens_per_request_step": engine.stats.generated_tokens / steps if steps else 0.0}
 
 
-def engine_threads(setting: int | None, world: int, cores: int, http_processes: int = 1) -> int:
+def engine_threads(setting: int | None, world: int, cores: int, http_processes: int = 1, replicas: int = 1) -> int:
     """Compute threads of each engine process: ``server.engine_threads``, else the ``cores`` it may use
-    (`usable_cores`) less one for each HTTP process, shared by the ``world`` ranks, at least one. On a 2-core CPU
+    (`usable_cores`) less one for each HTTP process, shared by the ``world`` ranks of each of the ``replicas``, at
+    least one. On a 2-core CPU
     at 64 streaming clients, an engine computing on both cores kept 1.3-1.4 of them busy for 4575 tok/s (the median
     of three) against 5148 on 0.9-1.0 with one thread, and at 16 clients 4282 against 5346: its threads waited on
     each other while the HTTP process and the clients held a core (bench/results/serve/cpu_engine_threads_ab.txt)."""
-    return setting if setting is not None else max(1, (cores - http_processes) // world)
+    return setting if setting is not None else max(1, (cores - http_processes) // (world * replicas))
 
 
 def usable_cores() -> int:
@@ -271,7 +275,8 @@ def engine_process(config: dict, conns: list, rank: int = 0, world: int = 1, por
 
     server = config["server"]
     torch.set_num_threads(engine_threads(server.get("engine_threads"), world, usable_cores(),
-                                         int(server.get("http_processes") or 1)))
+                                         int(server.get("http_processes") or 1),
+                                         int(server.get("data_parallel_size") or 1)))
     try:
         from zoo.llm import LLM
 
@@ -347,28 +352,37 @@ class EngineClient:
         self.reader.start()
 
     @classmethod
-    def start(cls, cfg: DictConfig) -> tuple["EngineClient", list]:
-        """Starts the engine processes, with a pipe for each of the ``server.http_processes``: this process's
-        client, and the other HTTP processes' ends of their pipes."""
+    def start(cls, cfg: DictConfig) -> tuple["EngineClient | EngineReplicas", list[list]]:
+        """Starts the engine processes (``server.data_parallel_size`` replicas, each with a process per
+        tensor-parallel rank), with a pipe to each replica for each of the ``server.http_processes``: this
+        process's engine (a client, or :class:`EngineReplicas` over one client per replica), and for each other
+        HTTP process the ends of its pipes, one per replica. Every replica loads at once; this waits for all."""
         import multiprocessing
 
         from omegaconf import OmegaConf
 
         context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and CUDA state
         count = int(cfg.server.get("http_processes") or 1)
-        pipes = [context.Pipe() for _ in range(count)]
-        children = [child for _, child in pipes]
+        replicas = int(cfg.server.get("data_parallel_size") or 1)
         config, world = OmegaConf.to_container(cfg, resolve=True), int(cfg.runtime.tensor_parallel_size)
-        port = free_port() if world > 1 else 0
-        # one process per tensor-parallel rank; rank 0 talks to the HTTP processes, the others follow rank 0
-        ranks = [context.Process(target=engine_process, args=(config, children if rank == 0 else [], rank, world,
-                                                             port), name=f"zoo-engine-{rank}", daemon=True)
-                 for rank in range(world)]
-        for process in ranks:
-            process.start()
-        for child in children:
-            child.close()
-        return cls(pipes[0][0], 0, count, ranks), [parent for parent, _ in pipes[1:]]
+        started = []
+        for replica in range(replicas):
+            pipes = [context.Pipe() for _ in range(count)]
+            children = [child for _, child in pipes]
+            replica_config = replica_settings(config, replica, replicas)
+            port = free_port() if world > 1 else 0
+            # one process per tensor-parallel rank; rank 0 talks to the HTTP processes, the others follow rank 0
+            ranks = [context.Process(target=engine_process,
+                                     args=(replica_config, children if rank == 0 else [], rank, world, port),
+                                     name=f"zoo-engine-{rank}" if replicas == 1 else f"zoo-engine-{replica}-{rank}",
+                                     daemon=True) for rank in range(world)]
+            for process in ranks:
+                process.start()
+            for child in children:
+                child.close()
+            started.append(([parent for parent, _ in pipes], ranks))
+        engine = engine_of([cls(parents[0], 0, count, ranks) for parents, ranks in started])
+        return engine, [[parents[index] for parents, _ in started] for index in range(1, count)]
 
     def _engine_exit_status(self, timeout: float | None = None) -> int | None:
         """The exit status of the engine process (rank 0), reaped so that it is known; None where this HTTP process
@@ -437,6 +451,63 @@ class EngineClient:
                 loop.call_soon_threadsafe(_deliver, batch)
         for submission in list(self.submissions.values()):  # every request still waiting fails, none hangs
             submission.loop.call_soon_threadsafe(_deliver, [(submission.events, ("error", failure))])
+
+
+def replica_settings(config: dict, replica: int, replicas: int) -> dict:
+    """Replica ``replica``'s copy of the server's ``config``: on CUDA each replica has a device of its own
+    (``check_settings`` made sure there are enough)."""
+    if replicas == 1:
+        return config
+    import torch
+
+    runtime = dict(config.get("runtime") or {})
+    if str(runtime.get("device", "auto")) != "cpu" and torch.cuda.is_available():
+        runtime["device"] = f"cuda:{replica}"
+    return {**config, "runtime": runtime}
+
+
+def engine_of(clients: list["EngineClient"]) -> "EngineClient | EngineReplicas":
+    """An HTTP process's engine: its one client, or the replicas behind its clients."""
+    return clients[0] if len(clients) == 1 else EngineReplicas(clients)
+
+
+class EngineReplicas:
+    """``server.data_parallel_size`` engines behind one HTTP process, with :class:`EngineClient`'s interface: each
+    request goes to the replica with the fewest unfinished requests from this process, and stays there (its
+    aborts follow it). On a 2-core CPU two one-thread replicas kept the second core busy where one engine's two
+    compute threads waited on each other while the HTTP process and the clients held it (README, the server's
+    benchmark)."""
+
+    def __init__(self, clients: list["EngineClient"]):
+        self.clients = clients
+        self.index, self.count, self.info = clients[0].index, clients[0].count, clients[0].info
+        # the first replica that failed to start says why; the server then exits, and the replicas with it
+        self.failure = next((client.failure for client in clients if client.failure is not None), None)
+
+    @property
+    def state(self) -> dict:
+        """The replicas' states summed (accepted tokens per request step: their mean, weighted by tokens)."""
+        states = [client.state for client in self.clients]
+        total = {key: sum(state[key] for state in states) for key in states[0]}
+        tokens = total["generated_tokens"]
+        total["tokens_per_request_step"] = (sum(state["tokens_per_request_step"] * state["generated_tokens"]
+                                                for state in states) / tokens) if tokens else 0.0
+        return total
+
+    @property
+    def alive(self) -> bool:
+        return all(client.alive for client in self.clients)
+
+    def submit(self, submission: Submission) -> None:
+        submission.replica = min(range(len(self.clients)), key=lambda index: len(self.clients[index].submissions))
+        self.clients[submission.replica].submit(submission)
+
+    def abort(self, submission: Submission) -> None:
+        self.clients[submission.replica].abort(submission)
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.stop()
 
 
 def free_port() -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from zoo.engine_process import EngineClient, EngineStopped, Submission
+from zoo.engine_process import EngineClient, EngineReplicas, EngineStopped, Submission, engine_of
 from zoo.errors import EXIT_BAD_SETTING, ZooError
 
 
@@ -70,7 +70,7 @@ UNSERVED_FIELDS = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, [
 
 
 class Server:
-    def __init__(self, cfg: DictConfig, engine: EngineClient):
+    def __init__(self, cfg: DictConfig, engine: EngineClient | EngineReplicas):
         self.cfg, self.server = cfg, cfg.server
         self.engine, info = engine, engine.info
         self.tokenizer, self.adapters = info["tokenizer"], info["adapters"]
@@ -667,8 +667,9 @@ def serve(cfg: DictConfig) -> int:
         listener = listening_socket(cfg, shared=bool(other_pipes))
     except OSError as exc:
         print(f"error: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc}", file=sys.stderr)
-        for pipe in other_pipes:
-            pipe.close()
+        for pipes in other_pipes:
+            for pipe in pipes:
+                pipe.close()
         engine.stop()
         return EXIT_BAD_SETTING
     cfg.server.port = listener.getsockname()[1]  # port 0: the one the system chose, for the others and the log
@@ -680,12 +681,13 @@ def serve(cfg: DictConfig) -> int:
 
         context, config = multiprocessing.get_context("spawn"), OmegaConf.to_container(cfg, resolve=True)
         started = []
-        for index, pipe in enumerate(other_pipes, 1):
+        for index, pipes in enumerate(other_pipes, 1):
             said, says = context.Pipe(duplex=False)  # "listening", or why not
-            process = context.Process(target=http_process, args=(config, pipe, index, len(other_pipes) + 1, says),
+            process = context.Process(target=http_process, args=(config, pipes, index, len(other_pipes) + 1, says),
                                       name=f"zoo-http-{index}", daemon=False)
             process.start()
-            pipe.close()  # the engine sees that process's end close when it stops or dies
+            for pipe in pipes:
+                pipe.close()  # the engine sees that process's end close when it stops or dies
             says.close()
             others.append(process)
             started.append(said)
@@ -728,7 +730,7 @@ def _started(process, said, timeout: float = 300) -> str | None:
     return f"{process.name} did not start (exit status {process.exitcode})"
 
 
-def http_process(config: dict, pipe, index: int, count: int, says) -> None:
+def http_process(config: dict, pipes: list, index: int, count: int, says) -> None:
     """HTTP process ``index`` of ``count`` (``server.http_processes``): the first one's sibling on the same port
     and engine. It says on ``says`` when it listens (or why it cannot), and stops with the first one (which passes
     its SIGTERM on) or when that one dies."""
@@ -738,7 +740,7 @@ def http_process(config: dict, pipe, index: int, count: int, says) -> None:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(config)
-    engine = EngineClient(pipe, index, count)
+    engine = engine_of([EngineClient(pipe, index, count) for pipe in pipes])  # a pipe to each replica
     if engine.failure is not None:  # the engine failed after the first HTTP process saw it start
         says.send(("failed", engine.failure[0]))
         sys.exit(1)
@@ -758,7 +760,7 @@ def http_process(config: dict, pipe, index: int, count: int, says) -> None:
     sys.exit(run_http(cfg, engine, listener, []))
 
 
-def run_http(cfg: DictConfig, engine: EngineClient, listener, others: list) -> int:
+def run_http(cfg: DictConfig, engine: EngineClient | EngineReplicas, listener, others: list) -> int:
     """Serves HTTP on the socket ``listener`` until SIGTERM or Ctrl-C, then finishes what runs within
     server.shutdown_timeout. ``others``: the other HTTP processes, which this one started: they get its SIGTERM,
     and one that dies stops the server."""
@@ -769,7 +771,10 @@ def run_http(cfg: DictConfig, engine: EngineClient, listener, others: list) -> i
                             timeout_graceful_shutdown=int(cfg.server.shutdown_timeout))
     http = _uvicorn_server(config, others)
     if engine.index == 0:
-        count = f" ({engine.count} HTTP processes)" if engine.count > 1 else ""
+        replicas = len(getattr(engine, "clients", [engine]))
+        count = ", ".join(([f"{engine.count} HTTP processes"] if engine.count > 1 else [])
+                          + ([f"{replicas} engine replicas"] if replicas > 1 else []))
+        count = f" ({count})" if count else ""
         print(f"zoo serving {', '.join(server.model_names())} on http://{cfg.server.host}:{cfg.server.port}{count}"
               + (" (API key required)" if server.api_key else ""), file=sys.stderr, flush=True)
     failed = []

@@ -111,6 +111,7 @@ SERVE = {  # zoo.serve's own keys
     "server.engine_threads": Setting(int, 1, optional=True),
     "server.stream_interval": Setting(int, 1),
     "server.http_processes": Setting(int, 1),
+    "server.data_parallel_size": Setting(int, 1),
 }
 # Top-level keys of the run config; groups own their keys (decoding and processor options are plugins').
 TOP_LEVEL = {"model", "decoding", "runtime", "processor", "experiment", "prompt", "input", "output", "sampling",
@@ -147,6 +148,27 @@ def check_device(name: str) -> None:
         raise ZooError(f"runtime.device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
+def check_replicas(replicas: int, runtime) -> None:
+    """``server.data_parallel_size``: engine replicas, each a whole copy of the model; on CUDA a device each."""
+    if replicas == 1:
+        return
+    if int(runtime.get("tensor_parallel_size") or 1) > 1:
+        raise ZooError(f"server.data_parallel_size={replicas} with runtime.tensor_parallel_size="
+                       f"{runtime.get('tensor_parallel_size')}: replicas of a tensor-parallel engine are not supported; "
+                       "set one of them to 1")
+    device = str(runtime.get("device", "auto"))
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        if device.startswith("cuda:"):
+            raise ZooError(f"server.data_parallel_size={replicas} with runtime.device={device}: each replica takes a "
+                           "device of its own (cuda:0, cuda:1, ...); use runtime.device=cuda")
+        if torch.cuda.device_count() < replicas:
+            raise ZooError(f"server.data_parallel_size={replicas}: each replica needs a CUDA device of its own and "
+                           f"this machine has {torch.cuda.device_count()}; on one GPU raise runtime.max_num_seqs "
+                           "instead, or serve from the CPU (runtime.device=cpu)")
+
+
 def check_settings(config, run: bool = False, serve: bool = False) -> None:
     """``runtime.*`` (and, for ``zoo.run``, its input, output and top-level keys): types, ranges, choices, and
     no unknown key. ``sampling.*`` keys are checked by name here and by value per request."""
@@ -179,6 +201,7 @@ def check_settings(config, run: bool = False, serve: bool = False) -> None:
             name = key.split(".", 1)[1]
             if name in (config.get("server") or {}):
                 setting.check(key, config["server"][name])
+        check_replicas(int((config.get("server") or {}).get("data_parallel_size") or 1), runtime)
     from dataclasses import fields
 
     from zoo.sampling_params import SamplingParams

@@ -12,11 +12,10 @@ lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz" ; nproc
 run() {  # run NAME ARGS...
   local name=$1; shift
   echo "=== $name: python bench/serve.py --runtime device=cpu $*" | tee -a $OUT/all.txt
-  timeout 170 $PY bench/serve.py --runtime device=cpu --out $OUT/$name.json "$@" > $OUT/$name.txt 2>&1
+  timeout 110 $PY bench/serve.py --runtime device=cpu --out $OUT/$name.json "$@" > $OUT/$name.txt 2>&1
   echo "rc=$?" >> $OUT/$name.txt
   grep -E "^serve,|pair|LLM.generate,|serve / offline|rc=|Error|error" $OUT/$name.txt | tee -a $OUT/all.txt
 }
-run pinned2_of3_x8 --concurrency 64 --interleave 8 --server-cpus 0 1 2 --engine-cpus 0 1
-run pinned3_of4_x8 --concurrency 64 --interleave 8 --server-cpus 0 1 2 3 --engine-cpus 0 1 2
-run pinned2_of3_x8_again --concurrency 64 --interleave 8 --server-cpus 0 1 2 --engine-cpus 0 1
+run dp2_pinned2_of3 --concurrency 64 --interleave 6 --server-cpus 0 1 2 --engine-cpus 0 1 --server-overrides server.data_parallel_size=2
+run pinned2_of3 --concurrency 64 --interleave 6 --server-cpus 0 1 2 --engine-cpus 0 1
 cd $OUT && tar czf json.tgz *.json && rm -f *.json
