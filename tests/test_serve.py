@@ -768,8 +768,10 @@ def test_a_dead_engine_process_ends_streams_with_an_error_and_health_says_so(mod
     assert server.proc.returncode == 0
 
 
-def test_an_engine_that_cannot_start_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "zoo.serve", f"model.path={tmp_path / 'missing'}"],
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_engine_that_cannot_start_is_one_line(replicas, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zoo.serve", f"model.path={tmp_path / 'missing'}",
+                           f"server.data_parallel_size={replicas}", "runtime.device=cpu"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: checkpoint folder {tmp_path / 'missing'} does not exist"
