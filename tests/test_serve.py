@@ -805,13 +805,7 @@ def test_tensor_parallel_serving_gives_one_process_tokens_and_a_dead_rank_is_503
     folder, _ = model_dir
     server = Served([f"model.path={folder}", "runtime.tensor_parallel_size=2"], cwd=tmp_path)
     try:
-        with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-        ranks = []
-        for child in children:
-            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
-                if b"resource_tracker" not in cmdline.read():
-                    ranks.append(child)
+        ranks = spawned_children(server)
         assert len(ranks) == 2
         client, name = server.client(), server.model_name()
         prompts = [f"def g{i}(x" for i in range(6)]
@@ -1213,9 +1207,8 @@ def process_stat(pid: int) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()
 
 
-def engine_processes_of(server, count: int) -> list[int]:
-    """The server's first ``count`` children to start, multiprocessing's resource tracker aside: its engine
-    processes, which start before any other HTTP process."""
+def spawned_children(server) -> list[int]:
+    """The server's children in the order they started, multiprocessing's resource tracker aside."""
     with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
         children = [int(c) for c in f.read().split()]
     spawned = []
@@ -1223,7 +1216,12 @@ def engine_processes_of(server, count: int) -> list[int]:
         with open(f"/proc/{child}/cmdline", "rb") as cmdline:
             if b"resource_tracker" not in cmdline.read():
                 spawned.append(child)
-    return sorted(spawned, key=lambda pid: int(process_stat(pid)[19]))[:count]
+    return sorted(spawned, key=lambda pid: int(process_stat(pid)[19]))
+
+
+def engine_processes_of(server, count: int) -> list[int]:
+    """The server's engine processes: its first ``count`` children, which start before any other HTTP process."""
+    return spawned_children(server)[:count]
 
 
 def cpu_seconds_of(pid: int) -> float:
