@@ -474,9 +474,8 @@ def engine_of(clients: list["EngineClient"]) -> "EngineClient | EngineReplicas":
 class EngineReplicas:
     """``server.data_parallel_size`` engines behind one HTTP process, with :class:`EngineClient`'s interface: each
     request goes to the replica with the fewest unfinished requests from this process, and stays there (its
-    aborts follow it). On a 2-core CPU two one-thread replicas kept the second core busy where one engine's two
-    compute threads waited on each other while the HTTP process and the clients held it (README, the server's
-    benchmark)."""
+    aborts follow it). On a 16-core CPU two one-thread replicas on two cores served 0.95 of ``LLM.generate`` on
+    those cores with two threads, where one two-thread engine served 0.83 (bench/results/serve/device_cpu/)."""
 
     def __init__(self, clients: list["EngineClient"]):
         self.clients = clients
