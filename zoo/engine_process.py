@@ -327,6 +327,8 @@ class EngineClient:
     process ``index`` of ``count``; ``ranks``: the engine processes, where this process started them
     (:meth:`start`)."""
 
+    replicas = 1  # engines behind this process (EngineReplicas: server.data_parallel_size)
+
     def __init__(self, conn, index: int = 0, count: int = 1, ranks: list | None = None):
         self.conn, self.index, self.count = conn, index, count
         self.ranks = ranks or []
@@ -492,6 +494,10 @@ class EngineReplicas:
         total["tokens_per_request_step"] = (sum(state["tokens_per_request_step"] * state["generated_tokens"]
                                                 for state in states) / tokens) if tokens else 0.0
         return total
+
+    @property
+    def replicas(self) -> int:
+        return len(self.clients)
 
     @property
     def alive(self) -> bool:

@@ -771,9 +771,8 @@ def run_http(cfg: DictConfig, engine: EngineClient | EngineReplicas, listener, o
                             timeout_graceful_shutdown=int(cfg.server.shutdown_timeout))
     http = _uvicorn_server(config, others)
     if engine.index == 0:
-        replicas = len(getattr(engine, "clients", [engine]))
         count = ", ".join(([f"{engine.count} HTTP processes"] if engine.count > 1 else [])
-                          + ([f"{replicas} engine replicas"] if replicas > 1 else []))
+                          + ([f"{engine.replicas} engine replicas"] if engine.replicas > 1 else []))
         count = f" ({count})" if count else ""
         print(f"zoo serving {', '.join(server.model_names())} on http://{cfg.server.host}:{cfg.server.port}{count}"
               + (" (API key required)" if server.api_key else ""), file=sys.stderr, flush=True)

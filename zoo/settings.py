@@ -154,8 +154,8 @@ def check_replicas(replicas: int, runtime) -> None:
         return
     if int(runtime.get("tensor_parallel_size") or 1) > 1:
         raise ZooError(f"server.data_parallel_size={replicas} with runtime.tensor_parallel_size="
-                       f"{runtime.get('tensor_parallel_size')}: replicas of a tensor-parallel engine are not supported; "
-                       "set one of them to 1")
+                       f"{runtime.get('tensor_parallel_size')}: replicas of a tensor-parallel engine are not "
+                       "supported; set one of them to 1")
     device = str(runtime.get("device", "auto"))
     import torch
 
