@@ -39,7 +39,7 @@ def start_server(args, port):
     cmd = [sys.executable, "-m", "zoo.serve", f"server.port={port}", "sampling.ignore_eos=true",
            f"runtime.max_num_seqs={max(args.concurrency)}", *[f"runtime.{kv}" for kv in args.runtime],
            *args.server_overrides] + (
-               [f"server.engine_threads={max(1, len(args.engine_cpus) // engine_processes(args))}"]
+               [f"server.engine_threads={max(1, len(args.engine_cpus) // args.engines)}"]
                if args.engine_cpus else []) + (
                [f"model.path={args.model}"] if args.model else [])
     log = open(args.server_log, "w")  # a file, not a pipe: a pipe nobody reads would stall a chatty server
@@ -162,7 +162,8 @@ def pin_server(pids: dict[str, list[int]], engine_cpus: list[int], http_cpus: li
     for role, cpus in (("engine", engine_cpus), ("http", http_cpus)):
         for pid in pids.get(role, []):
             set_affinity(pid, cpus)
-    print(f"pinned: the engine process on cores {engine_cpus}, the HTTP process on {http_cpus}", flush=True)
+    engines = "the engine process" if len(pids.get("engine", [])) < 2 else "the engine processes"
+    print(f"pinned: {engines} on cores {engine_cpus}, the HTTP process on {http_cpus}", flush=True)
 
 
 def clients(base_url, model, prompts, max_tokens, concurrency) -> tuple[list[dict], list[str]]:
@@ -305,6 +306,7 @@ def main() -> int:
         if not client_cpus or not set(args.server_cpus) <= os.sched_getaffinity(0):
             raise SystemExit(f"--server-cpus {args.server_cpus}: name cores of {sorted(os.sched_getaffinity(0))} "
                              "and leave at least one for the clients")
+    args.engines = engine_processes(args)
     if args.engine_cpus and not (args.server_cpus and set(args.engine_cpus) < set(args.server_cpus)):
         raise SystemExit(f"--engine-cpus {args.engine_cpus}: name some of --server-cpus {args.server_cpus}, not all")
     if args.llama_1b:  # the GPU benchmark's shape, written once into a temporary folder
@@ -338,10 +340,11 @@ def main() -> int:
         run_level(base_url, model, prompts[:max(args.concurrency)], args.max_tokens, max(args.concurrency),
                   processes=args.client_processes)
         if args.engine_cpus:
-            pin_server(process_group(proc.pid, engine_processes(args)), args.engine_cpus, sorted(set(args.server_cpus) - set(args.engine_cpus)))
+            pin_server(process_group(proc.pid, args.engines), args.engine_cpus,
+                       sorted(set(args.server_cpus) - set(args.engine_cpus)))
         levels = []
         for concurrency in args.concurrency:
-            spy, pids = None, process_group(proc.pid, engine_processes(args))
+            spy, pids = None, process_group(proc.pid, args.engines)
             if args.py_spy and concurrency == max(args.concurrency) and args.py_spy_process in pids:
                 spy_binary = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
                 spy = subprocess.Popen([spy_binary, "record", "--pid", str(pids[args.py_spy_process][0]),
@@ -399,7 +402,7 @@ def main() -> int:
 
 def measured_level(args, proc, base_url, model, prompts, concurrency) -> dict:
     r = run_level(base_url, model, prompts[:max(8, args.rounds * concurrency)], args.max_tokens, concurrency,
-                  process_group(proc.pid, engine_processes(args)), args.client_processes)
+                  process_group(proc.pid, args.engines), args.client_processes)
     print(f"serve, concurrency {concurrency}: {r['output_tok_s']:.0f} output tok/s, TTFT median "
           f"{r['ttft_median_ms']:.1f} ms (p99 {r['ttft_p99_ms']:.1f}), ITL mean {r['itl_mean_ms']:.2f} ms, "
           f"TPOT mean {r['tpot_mean_ms']:.2f} ms; cores busy: "

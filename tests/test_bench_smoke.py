@@ -118,7 +118,8 @@ def test_serve_script_pins_the_server_and_interleaves_the_offline_engine(tmp_pat
         assert record["server_cpus"] == [cores[-1]] and record["offline_threads"] == 1
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 3, reason="needs a core for the clients, the HTTP process and the engine")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 3,
+                    reason="needs a core for the clients, the HTTP process and the engine")
 def test_serve_script_pins_the_engine_and_the_offline_engine_to_the_same_cores(tmp_path):
     """bench/serve.py --engine-cpus: the engine process's threads on one core, the HTTP process on another, the
     clients on the rest; LLM.generate computes on the engine's core with one thread."""
