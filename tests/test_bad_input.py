@@ -94,8 +94,9 @@ def test_hub_id_offline_without_cache(tmp_path):
     ("input.file=/no/such/file.jsonl", "cannot read input.file"),
     ("model=nonexistent", "model=nonexistent: no such option (available: chatglm, glm, gpt2, llama, qwen2_vl)"),
 ])
-def test_bad_config_is_fatal_with_message(override, message, tmp_path):
-    proc = zoo_run(override, cwd=tmp_path)
+def test_bad_config_is_fatal_with_message(override, message, tmp_path, forked):
+    proc = forked.run("zoo.run", override, cwd=tmp_path)
+    assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode != 0
     assert message in proc.stderr
 

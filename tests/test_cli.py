@@ -65,10 +65,19 @@ def assert_one_line(proc, message):
     ("input.resume=true", "input.resume=true needs output.file (the records to continue from)"),
     ("decoding=nosuch", "decoding=nosuch: no such option (available: eagle, lookahead, medusa, none)"),
 ])
-def test_a_bad_setting_is_one_line_before_anything_loads(override, message, tmp_path):
-    proc = zoo_run(override, cwd=tmp_path)
+def test_a_bad_setting_is_one_line_before_anything_loads(override, message, tmp_path, forked):
+    proc = forked.run("zoo.run", override, cwd=tmp_path, env=ENV)
     assert_one_line(proc, message)
     assert "loading weights" not in proc.stderr  # nothing loaded
+
+
+def test_a_forked_command_answers_as_a_fresh_process_does(tmp_path, forked):
+    """The ``forked`` fixture, which runs the bad-setting tests above, gives a fresh interpreter's status and output."""
+    fresh = zoo_run("runtime.block_size=0", cwd=tmp_path)
+    fork = forked.run("zoo.run", "runtime.block_size=0", cwd=tmp_path, env=ENV)
+    assert (fork.returncode, fork.stdout, fork.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    crash = forked.run("zoo.no_such_module", cwd=tmp_path)  # an uncaught exception: its traceback and status 1
+    assert crash.returncode == 1 and "Traceback" in crash.stderr and "No module named zoo.no_such_module" in crash.stderr
 
 
 def test_a_bad_memory_share_in_the_environment_is_one_line(tmp_path):

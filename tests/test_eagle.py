@@ -168,14 +168,14 @@ def test_a_random_draft_is_exact_too(checkpoints, capfd):
     ("decoding.heads={wrong_size}", "the draft has hidden size 32, the model 64"),
     ("decoding.top_k=16", "top_k * depth = 80 expanded nodes need as many draft slots; raise total_tokens above 80"),
 ])
-def test_bad_eagle_settings_are_one_line(checkpoints, tmp_path, override, message):
+def test_bad_eagle_settings_are_one_line(checkpoints, tmp_path, override, message, forked):
     folder, _ = checkpoints["llama"]
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"not loaded")
     (tmp_path / "pickled" / "config.json").write_text("{}")
     write_eagle_heads(tmp_path / "wrong_size", hidden=32, intermediate=64)
     paths = {k: tmp_path / k for k in ("missing", "pickled", "wrong_size")}
-    assert_one_line_error("eagle", [override.format(**paths)], message.format(**paths), tmp_path, str(folder))
+    assert_one_line_error(forked, "eagle", [override.format(**paths)], message.format(**paths), tmp_path, str(folder))
 
 
 def test_eagle_on_a_model_with_2d_positions_is_a_clear_error(glm_checkpoint):

@@ -73,8 +73,8 @@ def test_lookahead_with_mrope_positions(qwen2_vl, tmp_path):
     (["decoding.window=64", "decoding.ngram=16", "decoding.candidates=10"],
      "(window + candidates) * (ngram - 1) = 1110 draft tokens per step; at most 1024"),
 ])
-def test_bad_lookahead_settings_are_one_line(tmp_path, overrides, message):
-    assert_one_line_error("lookahead", overrides, message, tmp_path)
+def test_bad_lookahead_settings_are_one_line(tmp_path, overrides, message, forked):
+    assert_one_line_error(forked, "lookahead", overrides, message, tmp_path)
 
 
 def test_lookahead_under_sampling_keeps_the_target_distribution(checkpoints):

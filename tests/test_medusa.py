@@ -116,14 +116,15 @@ def test_released_layout_heads_load_and_stay_exact(checkpoints, tmp_path):
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
-def assert_one_line_error(method: str, overrides: list[str], message: str, cwd, model_path=None) -> None:
-    """The setting fails ``LLM(...)`` with ``message``, and ``python -m zoo.run`` with that one line and exit 2."""
+def assert_one_line_error(forked, method: str, overrides: list[str], message: str, cwd, model_path=None) -> None:
+    """The setting fails ``LLM(...)`` with ``message``, and ``python -m zoo.run`` (run by ``forked``, the fixture)
+    with that one line and exit 2."""
     with pytest.raises(ZooError) as info:
         LLM(model_path, decoding=method, overrides=overrides)
     assert message in str(info.value)
     path = [f"model.path={model_path}"] if model_path else []
-    proc = subprocess.run([sys.executable, "-m", "zoo.run", *path, f"decoding={method}", *overrides],
-                          capture_output=True, text=True, cwd=cwd, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = forked.run("zoo.run", *path, f"decoding={method}", *overrides, cwd=cwd,
+                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -136,14 +137,14 @@ def assert_one_line_error(method: str, overrides: list[str], message: str, cwd, 
     ("decoding.tree=[[0],[0,0],[0,0,0],[0,0,0,0],[0,0,0,0,0]]", "goes 5 deep; the Medusa heads predict 4"),
     ("decoding.tree=[[0],[-1]]", "is not a path of top-k ranks"),
 ])
-def test_bad_medusa_settings_are_one_line(checkpoints, tmp_path, override, message):
+def test_bad_medusa_settings_are_one_line(checkpoints, tmp_path, override, message, forked):
     folder, hf_model = checkpoints["llama"]
     write_reference_heads(tmp_path / "wrong_size", 32, 300)
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "medusa_lm_head.pt").write_bytes(b"not loaded")  # as released, with its config
     (tmp_path / "pickled" / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
     paths = {k: tmp_path / k for k in ("missing", "wrong_size", "pickled")}
-    assert_one_line_error("medusa", [override.format(**paths)], message.format(**paths), tmp_path, str(folder))
+    assert_one_line_error(forked, "medusa", [override.format(**paths)], message.format(**paths), tmp_path, str(folder))
 
 
 def test_jsonl_records_steps_and_the_summary_reports_acceptance(tmp_path):

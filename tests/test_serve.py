@@ -663,9 +663,8 @@ def test_a_full_queue_answers_429_and_media_stay_off_the_disk(model_dir, tmp_pat
     ("server.data_parallel_size=0", "server.data_parallel_size=0: must be an integer >= 1"),
     ("runtime.tensor_parallel_size=0", "runtime.tensor_parallel_size=0: must be"),
 ])
-def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "zoo.serve", override], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+def test_a_bad_server_setting_is_one_line_before_anything_loads(override, message, tmp_path, forked):
+    proc = forked.run("zoo.serve", override, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(f"error: {message}")
     assert "Traceback" not in proc.stderr and "loading weights" not in proc.stderr
 

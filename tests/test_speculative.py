@@ -362,8 +362,8 @@ def test_draft_tokens_per_step_are_shared_by_the_decoding_requests(method):
 
 
 @pytest.mark.parametrize("key", ["disable_by_batch_size", "draft_tokens_per_step"])
-def test_a_bad_draft_limit_is_one_line(tmp_path, key):
+def test_a_bad_draft_limit_is_one_line(tmp_path, key, forked):
     from test_medusa import assert_one_line_error
 
-    assert_one_line_error("eagle", [f"decoding.{key}=-1"], f"decoding.{key}=-1 must be an integer >= 0 or null",
+    assert_one_line_error(forked, "eagle", [f"decoding.{key}=-1"], f"decoding.{key}=-1 must be an integer >= 0 or null",
                           tmp_path)

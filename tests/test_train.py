@@ -138,7 +138,7 @@ def test_ctrl_c_saves_the_heads_trained_so_far(tmp_path, monkeypatch):
     ("no_weights", "decoding=lookahead has no weights to train"),
     ("no_out", "set train.out=DIR"),
 ])
-def test_bad_train_input_is_one_line_and_exit_2(tmp_path, case, message):
+def test_bad_train_input_is_one_line_and_exit_2(tmp_path, case, message, forked):
     out = tmp_path / "heads"
     args = {"missing_prompts": ["decoding=medusa", f"train.out={out}", f"train.prompts={tmp_path / 'none.jsonl'}"],
             "empty_prompts": ["decoding=medusa", f"train.out={out}", f"train.prompts={tmp_path / 'empty.jsonl'}"],
@@ -155,7 +155,7 @@ def test_bad_train_input_is_one_line_and_exit_2(tmp_path, case, message):
         with pytest.raises(ZooError, match=re.escape(message)):
             train(compose("train", args))
         return
-    proc = python_module("zoo.train", *args, "train.steps=1", cwd=tmp_path)
+    proc = forked.run("zoo.train", *args, "train.steps=1", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1] and "Traceback" not in proc.stderr, proc.stderr
