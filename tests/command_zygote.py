@@ -1,6 +1,6 @@
 """Runs ``python -m MODULE ARGS`` requests in forks of one process that has already imported zoo's commands.
 
-The ``command`` fixture (conftest.py) starts this script once per test worker and sends it one JSON request per line
+The ``forked`` fixture (conftest.py) starts this script once per test worker and sends it one JSON request per line
 on stdin: ``{"module", "args", "cwd", "env", "stdout", "stderr", "timeout"}``. For each, this process forks; the
 child takes the request's working directory, environment and standard streams (files the fixture reads back, stdin
 from /dev/null), runs the module as ``__main__`` as ``python -m`` does, and exits with its status; this process

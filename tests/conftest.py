@@ -6,7 +6,11 @@ in tests, never by zoo itself.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,11 +38,11 @@ if not torch.cuda.is_available():
 
 # The files that take longest, longest first (seconds in one run of the suite on 2 cores, 2026-12-06: 220, 97, 169,
 # 69, 67, 67, 66, 55, 60; test_cli.py's and test_serve.py's bad-setting tests have since moved to the forked
-# fixture, about 75 and 20 s less). Under `-n 2 --dist loadfile` the workers take whole files off one queue; xdist orders it by
-# each file's count of tests, which put test_tensor_parallel.py (16 tests, 97 s) near the end, where one worker
-# ran it alone while the other sat idle. Longest first, the two finish together.
-LONGEST_FILES = ["test_serve.py", "test_tensor_parallel.py", "test_cli.py", "test_triton_attention.py", "test_parity.py",
-                 "test_mixed_graphs.py", "test_fused_ops.py", "test_bench_smoke.py", "test_train.py"]
+# fixture, about 75 and 20 s less). Under `-n 2 --dist loadfile` the workers take whole files off one queue; xdist
+# orders it by each file's count of tests, which put test_tensor_parallel.py (16 tests, 97 s) near the end, where
+# one worker ran it alone while the other sat idle. Longest first, the two finish together.
+LONGEST_FILES = ["test_serve.py", "test_tensor_parallel.py", "test_cli.py", "test_triton_attention.py",
+                 "test_parity.py", "test_mixed_graphs.py", "test_fused_ops.py", "test_bench_smoke.py", "test_train.py"]
 
 
 def pytest_configure(config):
@@ -49,7 +53,6 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
 
 
 VOCAB = 300
@@ -113,11 +116,6 @@ class ForkedCommands:
         self.count = 0
 
     def run(self, module: str, *args: str, cwd, env: dict | None = None, timeout: float = 120):
-        import json
-        import subprocess
-        import sys
-        from pathlib import Path
-
         if self.process is None or self.process.poll() is not None:
             zygote = Path(__file__).with_name("command_zygote.py")
             self.process = subprocess.Popen([sys.executable, str(zygote)], stdin=subprocess.PIPE,

@@ -77,7 +77,8 @@ def test_a_forked_command_answers_as_a_fresh_process_does(tmp_path, forked):
     fork = forked.run("zoo.run", "runtime.block_size=0", cwd=tmp_path, env=ENV)
     assert (fork.returncode, fork.stdout, fork.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     crash = forked.run("zoo.no_such_module", cwd=tmp_path)  # an uncaught exception: its traceback and status 1
-    assert crash.returncode == 1 and "Traceback" in crash.stderr and "No module named zoo.no_such_module" in crash.stderr
+    assert crash.returncode == 1 and "Traceback" in crash.stderr
+    assert "No module named zoo.no_such_module" in crash.stderr
 
 
 def test_a_bad_memory_share_in_the_environment_is_one_line(tmp_path):
